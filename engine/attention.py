@@ -1,0 +1,33 @@
+"""The paged attention layer: store this step's KV into the pool, then attend over it."""
+
+import torch
+from torch import nn
+
+import kernels
+from engine.context import get_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        # Views into the engine's one KV pool, bound by the ModelRunner.
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]`` for the batch's new tokens, the
+        single-token (decode) steps first."""
+        ctx = get_context()
+        kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        num_decode = ctx.num_decode_tokens
+        parts = []
+        if num_decode:
+            parts.append(kernels.paged_attention_decode(
+                q[:num_decode], self.k_cache, self.v_cache, ctx.decode_block_tables,
+                ctx.decode_context_lens, self.scale))
+        if num_decode < q.shape[0]:
+            parts.append(kernels.paged_attention_prefill(
+                q[num_decode:], self.k_cache, self.v_cache, ctx.prefill_cu_seqlens_q,
+                ctx.prefill_block_tables, ctx.prefill_context_lens, self.scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,145 @@
+"""The paged KV pool: block tables, ref counts, copy-on-write and prefix caching.
+
+A block is a fixed run of ``block_size`` KV slots. Full blocks whose KV has been computed are
+registered under a chained hash of their tokens (the hash of block i covers tokens
+``0 .. (i+1)*block_size``), so a later sequence with the same prefix reuses them. A block whose
+ref count drops to zero joins the free queue but keeps its cached content until it is handed
+out again; the queue is in least-recently-freed order, so eviction is LRU.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while the block is in the prefix cache
+    token_ids: tuple[int, ...] = field(default=())
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.chains: dict[int, list[int]] = {}  # seq_id -> hashes of its computed full blocks
+        self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens as vLLM counts
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_queue)
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _extend_chain(self, seq: Sequence, chain: list[int], num_blocks: int) -> list[int]:
+        for i in range(len(chain), num_blocks):
+            chain.append(hash((chain[-1] if chain else None, self._block_tokens(seq, i))))
+        return chain
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)  # least recently freed first
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached content
+            del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks covering a prefix of ``seq``, leaving at least its last token to
+        compute (the step needs that token's logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for i, h in enumerate(self._extend_chain(seq, [], (len(seq) - 1) // self.block_size)):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, max_new_tokens: int) -> int:
+        """Admit a waiting sequence: take its cached prefix, then blocks for up to
+        ``max_new_tokens`` uncached tokens. Returns how many tokens to compute now; 0, with
+        nothing changed, when the pool cannot hold them."""
+        assert not seq.block_table
+        hits = self._cache_hits(seq)
+        num_cached = len(hits) * self.block_size
+        num_new = min(len(seq) - num_cached, max_new_tokens)
+        needed = -(-(num_cached + num_new) // self.block_size) - len(hits)
+        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if num_new <= 0 or needed > self.num_free_blocks - reclaimed:
+            return 0
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free() for _ in range(needed)]
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        self.chains[seq.seq_id] = self._extend_chain(seq, [], len(hits))
+        self.prefix_cache_queries += len(seq)
+        self.prefix_cache_hits += num_cached
+        return num_new
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int,
+                     copies: list[tuple[int, int]]) -> bool:
+        """Make room for KV of the next ``num_new_tokens`` tokens of a running sequence. A shared
+        block about to be written is copied first (copy-on-write); the ``(src, dst)`` pair goes
+        into ``copies``. False, with nothing changed, when the pool is short."""
+        start = seq.num_computed_tokens
+        write_block = start // self.block_size
+        cow = (write_block < len(seq.block_table)
+               and self.blocks[seq.block_table[write_block]].ref_count > 1)
+        grow = max(0, -(-(start + num_new_tokens) // self.block_size) - len(seq.block_table))
+        if grow + cow > self.num_free_blocks:
+            return False
+        if cow:
+            src = seq.block_table[write_block]
+            self.blocks[src].ref_count -= 1
+            seq.block_table[write_block] = self._take_free()
+            copies.append((src, seq.block_table[write_block]))
+        seq.block_table.extend(self._take_free() for _ in range(grow))
+        return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Enter the sequence's newly computed full blocks into the prefix cache."""
+        chain = self.chains.setdefault(seq.seq_id, [])
+        first, last = len(chain), seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or last <= first:
+            return
+        for i, h in enumerate(self._extend_chain(seq, chain, last)[first:], start=first):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, self._block_tokens(seq, i)
+                self.cached[h] = block.block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent."""
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        self.chains[child.seq_id] = list(self.chains.get(parent.seq_id, []))
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so they are evicted before the (more shareable) head blocks.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.chains.pop(seq.seq_id, None)

@@ -1,0 +1,22 @@
+"""Engine configuration: typed, validated, with vLLM's names."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # a Hugging Face folder; None: the default SmolLM2-135M-Instruct
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: fp32 CPU, bf16 CUDA
+    device: str = "auto"  # auto: cuda when available
+    block_size: int = Field(16, ge=1, le=256)
+    num_kv_blocks: int | None = Field(None, ge=1)  # None: sized from the memory budget
+    kv_cache_memory_gib: float = Field(4.0, gt=0)  # the CPU budget for the KV pool
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)  # None: the model's context length
+    enable_prefix_caching: bool = True
+    seed: int = 0  # the global RNG, for requests without a seed of their own

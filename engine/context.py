@@ -1,0 +1,30 @@
+"""The attention context of the step being run: the model code reads it instead of taking
+block tables as arguments, as nano-vllm does."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    slot_mapping: torch.Tensor  # [T]: where each token's KV goes
+    num_decode_tokens: int  # the first tokens of the batch are single-token steps
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+
+
+_CONTEXT: Context | None = None
+
+
+def set_context(context: Context | None) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def get_context() -> Context:
+    assert _CONTEXT is not None, "attention called outside a model runner step"
+    return _CONTEXT

@@ -1,0 +1,233 @@
+"""The step API that the worker drives: add requests, step, abort, stats."""
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.loader import load_config
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestDelta, SampleDelta
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = structlog.get_logger()
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class _Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: dict[int, Detokenizer]  # by seq_id
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.model:
+            path = Path(config.model)
+        else:
+            from engine.default_model import default_model_path  # converts on first use
+
+            path = default_model_path()
+        hf_config = load_config(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.device = torch.device(config.device if config.device != "auto" else
+                                   "cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _DTYPES.get(config.dtype) or (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        limits = [hf_config.max_position_embeddings, getattr(hf_config, "sliding_window", None)
+                  or math.inf, config.max_model_len or math.inf]
+        self.max_model_len = int(min(limits))
+        self.vocab_size = hf_config.vocab_size
+        num_blocks = config.num_kv_blocks or self._fit_kv_blocks(hf_config, dtype)
+        torch.manual_seed(config.seed)  # the draws of requests without a seed of their own
+        self.model_runner = ModelRunner(
+            path, hf_config, max_model_len=self.max_model_len, block_size=config.block_size,
+            num_kv_blocks=num_blocks, dtype=dtype, device=self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_ids(path)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self.kv_blocks_peak = 0
+        self.kv_utilization_at_peak = 0.0
+        self.tokens_generated = 0
+        log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
+                 kv_blocks=num_blocks, block_size=config.block_size,
+                 max_model_len=self.max_model_len)
+
+    def _fit_kv_blocks(self, hf_config: Any, dtype: torch.dtype) -> int:
+        block_bytes = ModelRunner.block_bytes(hf_config, self.config.block_size, dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * self.config.gpu_memory_utilization
+        else:
+            budget = self.config.kv_cache_memory_gib * 2**30
+        # No use in more than every sequence slot filled to the context length.
+        most = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(int(budget // block_bytes), most))
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} - {None}
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Validates and queues a request; raises ValueError with the reason otherwise."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's maximum context "
+                             f"length is {self.max_model_len}")
+        max_tokens = params.max_tokens or room
+        if max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"the maximum context length {self.max_model_len}")
+        need = -(-(len(ids) + max_tokens) // self.config.block_size)
+        if need > len(self.block_manager.blocks):
+            raise ValueError(f"a sequence of {len(ids) + max_tokens} tokens needs {need} KV "
+                             f"blocks; the pool has {len(self.block_manager.blocks)}")
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        seq = Sequence(request_id, ids, params, priority, time.monotonic())
+        self.requests[request_id] = _Request(
+            ids, params, [seq], {seq.seq_id: Detokenizer(self.tokenizer, params)})
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """Stops a request now and frees its blocks; returns its last delta (what text was held
+        back), or None for an unknown or finished id."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        samples = []
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                text = request.detokenizers[seq.seq_id].pop_delta(finished=True)
+                samples.append(SampleDelta(seq.index, [], text, finish_reason="abort"))
+        return RequestDelta(request_id, samples, finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled, logits = self.model_runner.run(batch)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            self.block_manager.register_computed(seq)
+        rows, seqs = [], []
+        for row, seq in enumerate(sampled):
+            group = [seq]
+            if seq.pending_forks:  # the prompt is computed: the n samples part here
+                group += self.scheduler.fork(seq)
+                request = self.requests[seq.request_id]
+                for child in group[1:]:
+                    request.seqs.append(child)
+                    request.detokenizers[child.seq_id] = Detokenizer(self.tokenizer, seq.params)
+            rows += [row] * len(group)
+            seqs += group
+        if len(seqs) > len(sampled):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        out = self.sampler(logits, seqs) if seqs else None
+        deltas: dict[str, list[SampleDelta]] = {}
+        for i, seq in enumerate(seqs):
+            deltas.setdefault(seq.request_id, []).append(
+                self._append(seq, out.token_ids[i], out.logprobs[i]))
+        self._record_kv_use()
+        results = []
+        for request_id, samples in deltas.items():
+            finished = self.requests[request_id].finished
+            if finished:
+                del self.requests[request_id]
+            results.append(RequestDelta(request_id, samples, finished))
+        return results
+
+    def _append(self, seq: Sequence, token: int,
+                logprobs: dict[int, float] | None) -> SampleDelta:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        self.tokens_generated += 1
+        params = seq.params
+        reason = None
+        if (token in params.stop_token_ids
+                or (not params.ignore_eos and token in self.eos_token_ids)):
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        detokenizer = self.requests[seq.request_id].detokenizers[seq.seq_id]
+        if detokenizer.add([token]):
+            reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return SampleDelta(seq.index, [token], detokenizer.pop_delta(finished=reason is not None),
+                           [logprobs] if logprobs is not None else None, reason)
+
+    def _record_kv_use(self) -> None:
+        used = self.block_manager.num_used_blocks
+        if used >= self.kv_blocks_peak:
+            self.kv_blocks_peak = used
+            self.kv_utilization_at_peak = self.kv_utilization()
+
+    def kv_utilization(self) -> float:
+        """Slots holding KV over slots in allocated blocks (a shared block counts once)."""
+        bs = self.config.block_size
+        held: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            n = seq.num_computed_tokens
+            for i, block_id in enumerate(seq.block_table):
+                held[block_id] = max(held.get(block_id, 0), min(bs, max(0, n - i * bs)))
+        return sum(held.values()) / (len(held) * bs) if held else 0.0
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "kv_blocks_total": len(bm.blocks),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_peak": self.kv_blocks_peak,
+            "kv_utilization": self.kv_utilization(),
+            "kv_utilization_at_peak": self.kv_utilization_at_peak,
+            "tokens_in_cache": sum(s.num_computed_tokens for s in self.scheduler.running),
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "tokens_generated": self.tokens_generated,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

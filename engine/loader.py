@@ -1,0 +1,58 @@
+"""Load a Hugging Face checkpoint folder: config through AutoConfig, weights from safetensors
+(single file or sharded), fused parameters assembled from their checkpoint parts."""
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.models import MODEL_REGISTRY
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path)
+    arch = (config.architectures or ["?"])[0]
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {arch!r}; pagedq supports "
+                         f"{sorted(MODEL_REGISTRY)}")
+    return config
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(path: Path, config: PretrainedConfig, max_positions: int, dtype: torch.dtype,
+               device: torch.device) -> nn.Module:
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[config.architectures[0]](config, max_positions)
+    checkpoint = _read_safetensors(path)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():  # tied parameters are named once
+        parts = next(((fused, sources) for fused, sources in model.packed_modules.items()
+                      if f".{fused}." in name), None)
+        if parts is None:
+            sources = [name]
+        else:
+            sources = [name.replace(f".{parts[0]}.", f".{src}.") for src in parts[1]]
+        missing = [s for s in sources if s not in checkpoint]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {missing} (needed for {name})")
+        state[name] = torch.cat([checkpoint[s] for s in sources]).to(dtype)
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(state[name].shape)}, "
+                             f"model expects {tuple(param.shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()

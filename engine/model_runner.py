@@ -1,0 +1,102 @@
+"""Runs the model on a scheduled batch: owns the KV pool and turns sequences into positions,
+``slot_mapping``, block tables and context lengths."""
+
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+import kernels
+from engine.context import Context, set_context
+from engine.loader import load_model
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, path: Path, hf_config: PretrainedConfig, *, max_model_len: int,
+                 block_size: int, num_kv_blocks: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.model = load_model(path, hf_config, max_model_len, dtype, device)
+        attn = self.model.model.layers[0].self_attn.attn
+        num_layers = len(self.model.model.layers)
+        # One pool for every layer's K and V, so that the whole cache is one allocation.
+        self.kv_cache = torch.zeros(2, num_layers, num_kv_blocks, block_size, attn.num_kv_heads,
+                                    attn.head_dim, dtype=dtype, device=device)
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+
+    @staticmethod
+    def block_bytes(hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads)
+        per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+        return per_token * block_size * dtype.itemsize
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context,
+                                                          list[int], list[Sequence]]:
+        # Single-token steps first: they take the batched decode path.
+        order = sorted(range(len(batch.seqs)), key=lambda j: batch.num_new_tokens[j] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        cu_seqlens = [0]
+        logit_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        bs = self.block_size
+        num_decode = 0
+        for j in order:
+            seq, num_new = batch.seqs[j], batch.num_new_tokens[j]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            tables.append(seq.block_table)
+            context_lens.append(end)
+            if num_new == 1:
+                num_decode += 1
+            else:
+                cu_seqlens.append(cu_seqlens[-1] + num_new)
+            if end == len(seq):  # the chunk reaches the end: this step samples its next token
+                logit_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        ctx = Context(slot_mapping=self._tensor(slots, torch.int64), num_decode_tokens=num_decode)
+        if num_decode:
+            ctx.decode_block_tables = self._block_tables(tables[:num_decode])
+            ctx.decode_context_lens = self._tensor(context_lens[:num_decode], torch.int32)
+        if num_decode < len(order):
+            ctx.prefill_block_tables = self._block_tables(tables[num_decode:])
+            ctx.prefill_context_lens = self._tensor(context_lens[num_decode:], torch.int32)
+            ctx.prefill_cu_seqlens_q = self._tensor(cu_seqlens, torch.int32)
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
+                logit_rows, sample_seqs)
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
+        """Computes the batch's KV and returns the sequences that sample this step with their
+        float32 logits ``[len(seqs), vocab]``."""
+        if batch.copies:
+            kernels.copy_blocks(list(self.kv_cache.flatten(0, 1)),  # every layer's K and V
+                                self._tensor(batch.copies, torch.int64))
+        input_ids, positions, ctx, logit_rows, sample_seqs = self._prepare(batch)
+        set_context(ctx)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            set_context(None)
+        if not sample_seqs:
+            return [], hidden.new_empty(0, 0, dtype=torch.float32)
+        logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])
+        return sample_seqs, logits.float()

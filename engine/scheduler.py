@@ -1,0 +1,108 @@
+"""Continuous batching under one token budget per step, with chunked prefill and preemption by
+recompute.
+
+Each step the running sequences go first (oldest first), each taking the tokens it still has to
+compute (one, once decoding), then waiting sequences are admitted in priority-then-arrival
+order while budget, sequence slots and blocks last. When a running sequence needs a block and
+none is free, the youngest running sequence is preempted: its blocks are freed (its full blocks
+stay in the prefix cache) and it goes back to the waiting queue to be recomputed later.
+"""
+
+from bisect import insort
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+def _age(seq: Sequence) -> tuple[int, float, int]:
+    """Sort key: lower priority value first (as vLLM), then arrival, then creation."""
+    return seq.priority, seq.arrival, seq.seq_id
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by _age
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        insort(self.waiting, seq, key=_age)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.append_slots(seq, num_new, out.copies):
+                # Everything before i is scheduled; the youngest of the rest makes room.
+                victim = max(self.running[i:], key=_age)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.add(seq, num_new)
+                budget -= num_new
+                i += 1
+        # Admitting while preempting would only thrash: the freed blocks are for the running.
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if len(self.running) + seq.pending_forks + 1 > self.max_num_seqs:
+                break
+            num_new = self.block_manager.allocate(seq, budget)
+            if num_new == 0:
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.add(seq, num_new)
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.add(seq)
+        self.num_preemptions += 1
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """Split a request whose prompt is now computed into its n samples, sharing blocks."""
+        children = [seq.fork(index) for index in range(1, seq.pending_forks + 1)]
+        seq.pending_forks = 0
+        position = self.running.index(seq) + 1
+        for child in children:
+            self.block_manager.fork(seq, child)
+        self.running[position:position] = children
+        return children
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

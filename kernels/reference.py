@@ -1,0 +1,78 @@
+"""Pure-torch reference ops for the paged KV cache.
+
+Shapes follow vLLM: caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``, a block
+table row lists a sequence's blocks in order, and slot ``s`` is row ``s % block_size`` of block
+``s // block_size``. These ops are the ground truth the Triton kernels are tested against, and
+the path the engine takes on the CPU.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[T, H_kv, D]`` into the slots named by ``slot_mapping`` ``[T]``;
+    slot -1 means skip."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``block_table`` (any leading shape) as one run of slots per row."""
+    gathered = cache[block_table]  # [..., max_blocks, block_size, H_kv, D]
+    return gathered.flatten(-4, -3)  # [..., max_blocks * block_size, H_kv, D]
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence, ``q`` ``[B, H_q, D]``, attending to the first
+    ``context_lens[b]`` tokens of its paged KV (the query's own key included)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = _gather(k_cache, block_tables).permute(0, 2, 3, 1)  # [B, H_kv, D, L]
+    v = _gather(v_cache, block_tables).transpose(1, 2)  # [B, H_kv, L, D]
+    scores = torch.matmul(q.view(batch, num_kv_heads, group, head_dim), k).float() * scale
+    positions = torch.arange(k.shape[-1], device=q.device)
+    pad = positions[None, :] >= context_lens[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Packed queries ``[T_q, H_q, D]``: sequence ``i`` owns rows ``cu_seqlens_q[i]:[i+1]``,
+    which are the last tokens of its first ``context_lens[i]`` tokens (a cached prefix before
+    them). Causal within each sequence."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    bounds = cu_seqlens_q.tolist()
+    for i, ctx in enumerate(context_lens.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        num_q = end - start
+        blocks = block_tables[i, : (ctx + block_size - 1) // block_size]
+        k = _gather(k_cache, blocks)[:ctx].transpose(0, 1)  # [H_kv, ctx, D]
+        v = _gather(v_cache, blocks)[:ctx].transpose(0, 1)
+        q_pos = torch.arange(ctx - num_q, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out
+
+
+def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: for each ``(src, dst)`` row of ``block_mapping``, copy block ``src`` to
+    ``dst`` in every cache (each ``[num_blocks, ...]``)."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in caches:
+        cache[dst] = cache[src]
