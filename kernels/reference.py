@@ -36,15 +36,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``context_lens[b]`` tokens of its paged KV (the query's own key included)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k = _gather(k_cache, block_tables).permute(0, 2, 3, 1)  # [B, H_kv, D, L]
-    v = _gather(v_cache, block_tables).transpose(1, 2)  # [B, H_kv, L, D]
-    scores = torch.matmul(q.view(batch, num_kv_heads, group, head_dim), k).float() * scale
-    positions = torch.arange(k.shape[-1], device=q.device)
-    pad = positions[None, :] >= context_lens[:, None]  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(batch, num_heads, head_dim)
+    k = _gather(k_cache, block_tables).transpose(1, 2)  # [B, H_kv, L, D]
+    v = _gather(v_cache, block_tables).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
+    # The query heads sharing a KV head act as that head's queries: no KV is repeated.
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,13 +59,16 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         start, end = bounds[i], bounds[i + 1]
         num_q = end - start
         blocks = block_tables[i, : (ctx + block_size - 1) // block_size]
-        k = _gather(k_cache, blocks)[:ctx].transpose(0, 1)  # [H_kv, ctx, D]
-        v = _gather(v_cache, blocks)[:ctx].transpose(0, 1)
-        q_pos = torch.arange(ctx - num_q, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        # 4-D [1, H, L, D]: torch's fast CPU attention kernels take only 4-D inputs.
+        k = _gather(k_cache, blocks)[:ctx].transpose(0, 1)[None]
+        v = _gather(v_cache, blocks)[:ctx].transpose(0, 1)[None]
+        mask = None
+        if num_q < ctx:  # a cached prefix: query j sits at position ctx - num_q + j
+            q_pos = torch.arange(ctx - num_q, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
         out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        ).transpose(0, 1)
+            q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=True)[0].transpose(0, 1)
     return out
 
 

@@ -1,0 +1,102 @@
+"""The block manager on its own: ref counts, copy-on-write, chained-hash prefix caching and LRU
+eviction of free cached blocks."""
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+def _seq(tokens: list[int], n: int = 1) -> Sequence:
+    return Sequence("r", tokens, SamplingParams(n=n))
+
+
+def _compute(bm: BlockManager, seq: Sequence, num: int) -> None:
+    seq.num_computed_tokens += num
+    bm.register_computed(seq)
+
+
+def test_allocate_and_free_restore_the_pool() -> None:
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    seq = _seq(list(range(10)))
+    assert bm.allocate(seq, 6) == 6
+    assert len(seq.block_table) == 2
+    _compute(bm, seq, 6)
+    assert bm.append_slots(seq, 4, [])
+    assert len(seq.block_table) == 3
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_allocate_refuses_without_changing_anything() -> None:
+    bm = BlockManager(2, 4, enable_prefix_caching=False)
+    seq = _seq(list(range(12)))
+    assert bm.allocate(seq, 12) == 0
+    assert seq.block_table == [] and bm.num_free_blocks == 2
+    assert bm.allocate(seq, 8) == 8  # a smaller chunk fits
+
+
+def test_fork_shares_and_copy_on_write_copies_the_partial_block() -> None:
+    bm = BlockManager(10, 4, enable_prefix_caching=False)
+    parent = _seq(list(range(6)), n=3)  # one full block and a partial one
+    bm.allocate(parent, 6)
+    _compute(bm, parent, 6)
+    children = [parent.fork(i) for i in (1, 2)]
+    for child in children:
+        bm.fork(parent, child)
+    full, partial = parent.block_table
+    assert bm.blocks[full].ref_count == 3 and bm.blocks[partial].ref_count == 3
+    copies: list[tuple[int, int]] = []
+    for seq in [parent, *children]:
+        seq.token_ids.append(99)
+        assert bm.append_slots(seq, 1, copies)
+    # the first two writers copy the shared block; the last one owns it and writes in place
+    assert [src for src, _ in copies] == [partial, partial]
+    assert children[1].block_table == [full, partial]
+    assert len({s.block_table[1] for s in [parent, *children]}) == 3
+    assert bm.blocks[full].ref_count == 3 and bm.blocks[partial].ref_count == 1
+    for seq in [parent, *children]:
+        bm.free(seq)
+    assert bm.num_free_blocks == 10
+
+
+def test_prefix_hits_use_the_chain_and_leave_a_token_to_compute() -> None:
+    bm = BlockManager(10, 4, enable_prefix_caching=True)
+    first = _seq(list(range(12)))
+    bm.allocate(first, 12)
+    _compute(bm, first, 12)
+    bm.free(first)
+    same = _seq(list(range(12)))
+    assert bm.allocate(same, 100) == 4  # two blocks hit; the last block is recomputed
+    assert same.num_cached_tokens == 8
+    bm.free(same)
+    # the same second block after a different first block is not a hit: hashes are chained
+    other = _seq([50, 51, 52, 53] + list(range(4, 12)))
+    bm.allocate(other, 100)
+    assert other.num_cached_tokens == 0
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 36
+
+
+def test_blocks_are_cached_only_once_computed() -> None:
+    bm = BlockManager(10, 4, enable_prefix_caching=True)
+    a = _seq(list(range(12)))
+    bm.allocate(a, 12)  # allocated, not yet computed
+    b = _seq(list(range(12)))
+    bm.allocate(b, 12)
+    assert b.num_cached_tokens == 0
+    _compute(bm, a, 12)
+    _compute(bm, b, 12)  # b's identical blocks stay out of the cache: a's are there
+    assert len(bm.cached) == 3
+
+
+def test_eviction_is_least_recently_freed_first() -> None:
+    bm = BlockManager(4, 2, enable_prefix_caching=True)
+    a = _seq([1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    _compute(bm, a, 5)  # blocks [1,2] and [3,4] are cached
+    bm.free(a)  # freed tail first: the head block is evicted last
+    b = _seq([9, 9, 9, 9, 9])
+    assert bm.allocate(b, 5) == 5  # takes the never-used block, then a's tail blocks
+    c = _seq([1, 2, 3, 4, 7])
+    bm.free(b)
+    bm.allocate(c, 5)
+    assert c.num_cached_tokens == 2  # [1, 2] survived; [3, 4] was evicted
