@@ -1,0 +1,94 @@
+"""Incremental detokenization with stop strings, one Detokenizer per sequence.
+
+Decoding follows vLLM's prefix_offset / read_offset scheme: each step decodes only a short
+window of recent tokens, twice (with and without the new ones), and takes the difference.
+The window starts one step back, so decoders that treat a window's first token specially
+(SentencePiece drops its leading space) only do so to text that is already out.
+"""
+
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 sequence decodes to
+
+
+class Detokenizer:
+    """Turns output tokens into text, finds stop strings, and hands out stream deltas.
+
+    The text lives in three parts, so that each step touches only recent characters:
+    `_out` (handed out by pop_delta), `_ready` (settled, not handed out yet) and `_recent`:
+    the last `_holdback` settled characters, which a stop string found later may still cut,
+    followed by `_pending` unsettled ones, which end in an incomplete character that the
+    next token may complete. `stop_str` is the stop string that matched, if any.
+    """
+
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids: list[int] = []
+        self.stop_str: str | None = None
+        self._prefix_offset = 0  # window start: context that is decoded but already in text
+        self._read_offset = 0  # tokens before this are in text for good
+        self._out: list[str] = []
+        self._ready: list[str] = []
+        self._recent = ""
+        self._pending = 0
+        # A stop string may end in text not seen yet, so this many trailing characters of the
+        # settled text are not handed out while the sequence runs.
+        self._holdback = max(map(len, params.stop), default=1) - 1
+
+    @property
+    def text(self) -> str:
+        """The output text: `tokenizer.decode(output ids)`, cut at a stop string. O(length)."""
+        self._out = ["".join(self._out)]
+        return self._out[0] + "".join(self._ready) + self._recent
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> bool:
+        """Append output tokens. True if a stop string now occurs: text is cut there and the
+        sequence is done, so add is not called again."""
+        self.token_ids.extend(token_ids)
+        window = self.token_ids[self._prefix_offset:]
+        prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
+        new_text = self._decode(window)
+        self._recent = self._recent[: len(self._recent) - self._pending]
+        # _recent now holds just the settled text a stop string may start in; the text
+        # before it was searched on earlier calls.
+        self._recent += new_text[len(prefix_text):]
+        if new_text.endswith(REPLACEMENT_CHAR):
+            # The last token ends mid-character: keep the window so the next decode sees
+            # the whole character, and mark the new text unsettled.
+            self._pending = len(new_text) - len(prefix_text)
+        else:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            self._pending = 0
+        matches = [(i, s) for s in self.params.stop if (i := self._recent.find(s)) != -1]
+        if matches:  # the earliest one wins
+            i, self.stop_str = min(matches, key=lambda m: m[0])
+            end = i + len(self.stop_str) if self.params.include_stop_str_in_output else i
+            self._recent, self._pending = self._recent[:end], 0
+            return True
+        cut = len(self._recent) - self._pending - self._holdback
+        if cut > 0:
+            self._ready.append(self._recent[:cut])
+            self._recent = self._recent[cut:]
+        return False
+
+    def pop_delta(self, finished: bool) -> str:
+        """Text not handed out yet. While running, hold back the unsettled tail and the last
+        `longest stop - 1` settled characters, so nothing handed out is ever cut later."""
+        if finished:
+            self._ready.append(self._recent)
+            self._recent = ""
+        delta = "".join(self._ready)
+        self._out.append(delta)
+        self._ready = []
+        return delta
