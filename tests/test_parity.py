@@ -67,8 +67,10 @@ def test_all_together(case, make_llm) -> None:
 
 def test_preemption(case, make_llm) -> None:
     model, prompts, expected, max_new = case
-    # 24 blocks of 16 hold the longest sequence (20 blocks) but not the batch.
-    llm = make_llm(model, num_kv_blocks=24, enable_prefix_caching=False)
+    # 24 blocks of 16 hold the longest sequence (21 blocks) but not the batch; a small token
+    # budget admits many prompts by their first chunks, which then outgrow the pool.
+    llm = make_llm(model, num_kv_blocks=24, max_num_batched_tokens=64,
+                   enable_prefix_caching=False)
     assert _ids(llm.generate(prompts, _greedy(max_new), use_tqdm=False)) == expected
     assert llm.stats()["preemptions"] > 0
 
