@@ -30,7 +30,7 @@ class SamplingParams:
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}"),
+            (self.top_k >= -1, f"top_k must be -1 or 0 (off) or positive, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0,
              f"repetition_penalty must be positive, got {self.repetition_penalty}"),
