@@ -28,6 +28,21 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 3's rope scaling and tied embeddings."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return build_random_checkpoint(tmp_path_factory.mktemp("tiny") / "llama3", "llama",
+                                   rope_scaling=rope, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_checkpoint(tmp_path_factory.mktemp("tiny") / "mistral", "mistral",
+                                   num_heads=8, num_kv_heads=1)
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     from engine.default_model import default_model_path
 

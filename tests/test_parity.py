@@ -28,7 +28,7 @@ def _smollm2_prompts(tokenizer) -> list[list[int]]:
     return [ids[i:i + n] for i, n in zip(range(0, 80, 10), LENGTHS, strict=True)]
 
 
-MODELS = ["tiny_llama", "tiny_qwen2", "smollm2"]
+MODELS = ["tiny_llama", "tiny_qwen2", "tiny_llama3", "tiny_mistral", "smollm2"]
 
 
 @pytest.fixture(scope="module", params=MODELS)

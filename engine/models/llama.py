@@ -33,15 +33,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
-            inv_freq = 1.0 / theta ** (steps / head_dim)
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         # Built on the CPU even while the model is built on "meta" for loading.
-        freqs = torch.outer(torch.arange(max_positions, device="cpu").float(), inv_freq.float())
+        with torch.device("cpu"):
+            if rope_type == "default":
+                theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                steps = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                inv_freq, scaling = 1.0 / theta ** (steps / head_dim), 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            freqs = torch.outer(torch.arange(max_positions).float(), inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
