@@ -21,11 +21,9 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         num_decode = ctx.num_decode_tokens
-        parts = []
-        if num_decode:
-            parts.append(kernels.paged_attention_decode(
-                q[:num_decode], self.k_cache, self.v_cache, ctx.decode_block_tables,
-                ctx.decode_context_lens, self.scale))
+        parts = [kernels.paged_attention_decode(q[g.start:g.end], self.k_cache, self.v_cache,
+                                                g.block_tables, g.context_lens, self.scale)
+                 for g in ctx.decode_groups]
         if num_decode < q.shape[0]:
             parts.append(kernels.paged_attention_prefill(
                 q[num_decode:], self.k_cache, self.v_cache, ctx.prefill_cu_seqlens_q,

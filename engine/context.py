@@ -1,17 +1,26 @@
 """The attention context of the step being run: the model code reads it instead of taking
 block tables as arguments, as nano-vllm does."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class DecodeGroup:
+    """Rows ``start:end`` of the batch: single-token steps sharing one padded block table."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
 
 
 @dataclass
 class Context:
     slot_mapping: torch.Tensor  # [T]: where each token's KV goes
     num_decode_tokens: int  # the first tokens of the batch are single-token steps
-    decode_block_tables: torch.Tensor | None = None
-    decode_context_lens: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_cu_seqlens_q: torch.Tensor | None = None
     prefill_block_tables: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None

@@ -7,7 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 import kernels
-from engine.context import Context, set_context
+from engine.context import Context, DecodeGroup, set_context
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -43,10 +43,25 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
+    def _decode_groups(self, tables: list[list[int]]) -> list[tuple[int, int]]:
+        """Splits the decode rows (longest first) where the block count drops below 60% of the
+        group's first: the CPU reference pads every row to its group's longest, so this bounds
+        the wasted gather and attention work. Triton kernels take ragged rows as they are."""
+        if not tables:
+            return []
+        if self.device.type == "cuda":
+            return [(0, len(tables))]
+        starts = [0]
+        for i, table in enumerate(tables):
+            if len(table) < 0.6 * len(tables[starts[-1]]):
+                starts.append(i)
+        return list(zip(starts, starts[1:] + [len(tables)], strict=True))
+
     def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context,
                                                           list[int], list[Sequence]]:
-        # Single-token steps first: they take the batched decode path.
-        order = sorted(range(len(batch.seqs)), key=lambda j: batch.num_new_tokens[j] != 1)
+        # Single-token steps first, longest context first: they take the batched decode path.
+        order = sorted(range(len(batch.seqs)), key=lambda j: (
+            batch.num_new_tokens[j] != 1, -batch.seqs[j].num_computed_tokens))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,9 +88,9 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         ctx = Context(slot_mapping=self._tensor(slots, torch.int64), num_decode_tokens=num_decode)
-        if num_decode:
-            ctx.decode_block_tables = self._block_tables(tables[:num_decode])
-            ctx.decode_context_lens = self._tensor(context_lens[:num_decode], torch.int32)
+        ctx.decode_groups = [DecodeGroup(start, end, self._block_tables(tables[start:end]),
+                                         self._tensor(context_lens[start:end], torch.int32))
+                             for start, end in self._decode_groups(tables[:num_decode])]
         if num_decode < len(order):
             ctx.prefill_block_tables = self._block_tables(tables[num_decode:])
             ctx.prefill_context_lens = self._tensor(context_lens[num_decode:], torch.int32)

@@ -25,8 +25,9 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """The blocks of ``block_table`` (any leading shape) as one run of slots per row."""
-    gathered = cache[block_table]  # [..., max_blocks, block_size, H_kv, D]
-    return gathered.flatten(-4, -3)  # [..., max_blocks * block_size, H_kv, D]
+    # index_select is 2-3x faster than advanced indexing with an int32 index on the CPU.
+    gathered = cache.index_select(0, block_table.reshape(-1).long())
+    return gathered.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
