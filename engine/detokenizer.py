@@ -82,6 +82,14 @@ class Detokenizer:
             self._recent = self._recent[cut:]
         return False
 
+    def resume(self, token_ids: list[int], emitted_chars: int) -> None:
+        """Continue a sequence begun elsewhere: its output tokens so far, of whose text the
+        first ``emitted_chars`` characters were already handed out."""
+        for token_id in token_ids:  # one by one, as they came: the same state, settled alike
+            self.add([token_id])
+        ready = "".join(self._ready)  # everything handed out was settled text
+        self._out, self._ready = [ready[:emitted_chars]], [ready[emitted_chars:]]
+
     def pop_delta(self, finished: bool) -> str:
         """Text not handed out yet. While running, hold back the unsettled tail and the last
         `longest stop - 1` settled characters, so nothing handed out is ever cut later."""

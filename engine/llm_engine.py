@@ -27,15 +27,25 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 @dataclass
+class Resume:
+    """Where a sample stopped when another worker ran it: its output tokens and how much of
+    their text was handed out; None for a sample that had finished."""
+
+    token_ids: list[int]
+    emitted_chars: int
+
+
+@dataclass
 class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
     detokenizers: dict[int, Detokenizer]  # by seq_id
+    num_samples: int  # the samples this engine runs: n, less those finished before a resume
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        return len(self.seqs) == self.num_samples and all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -97,8 +107,12 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Validates and queues a request; raises ValueError with the reason otherwise."""
+                    priority: int = 0, resume: list[Resume | None] | None = None) -> None:
+        """Validates and queues a request; raises ValueError with the reason otherwise.
+
+        ``resume`` (one entry per sample) continues a request from the tokens each sample had
+        already produced: they are recomputed as part of its prompt, a seeded sample's
+        generator is advanced past its draws, and the text continues where it stopped."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -121,10 +135,29 @@ class LLMEngine:
             raise ValueError(f"a sequence of {len(ids) + max_tokens} tokens needs {need} KV "
                              f"blocks; the pool has {len(self.block_manager.blocks)}")
         params = dataclasses.replace(params, max_tokens=max_tokens)
-        seq = Sequence(request_id, ids, params, priority, time.monotonic())
-        self.requests[request_id] = _Request(
-            ids, params, [seq], {seq.seq_id: Detokenizer(self.tokenizer, params)})
-        self.scheduler.add(seq)
+        if resume is not None and len(resume) != params.n:
+            raise ValueError(f"resume has {len(resume)} entries for n={params.n} samples")
+        request = _Request(ids, params, [], {}, params.n)
+        for index, state in enumerate(resume or [Resume([], 0)]):
+            if state is None:
+                request.num_samples -= 1
+                continue
+            seq = Sequence(request_id, ids, params, priority, time.monotonic(), index)
+            detokenizer = Detokenizer(self.tokenizer, params)
+            if resume is not None:
+                seq.pending_forks = 0  # every sample is its own sequence from here on
+                seq.token_ids += state.token_ids
+                detokenizer.resume(state.token_ids, state.emitted_chars)
+                if seq.generator is not None and not params.greedy:
+                    for _ in state.token_ids:  # the sampler draws once per token, one by one
+                        torch.rand(1, generator=seq.generator)
+            request.seqs.append(seq)
+            request.detokenizers[seq.seq_id] = detokenizer
+        if not request.seqs:
+            raise ValueError("every sample of the resumed request had finished")
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Stops a request now and frees its blocks; returns its last delta (what text was held

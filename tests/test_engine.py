@@ -133,3 +133,38 @@ def test_request_too_big_for_the_pool(tiny_llama, make_llm) -> None:
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate([[5] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
     assert llm.generate([[5] * 30], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+@pytest.mark.parametrize("steps", [1, 4, 9])
+def test_resume_continues_the_stream_exactly(tiny_llama, make_llm, steps) -> None:
+    """A request stopped after some steps and resumed from what it had published gives the
+    same tokens and text as one uninterrupted run (seeded sampling included)."""
+    from engine.llm_engine import Resume
+
+    engine = make_llm(tiny_llama).engine
+    prompt = "深度学习模型 streams tokens 🙂"
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=11, stop=["ing"])
+    engine.add_request("whole", prompt, params)
+    whole = _run(engine)["whole"]
+    engine.add_request("cut", prompt, params)
+    published: dict[int, tuple[list[int], str, bool]] = {}
+    for _ in range(steps):
+        for delta in engine.step():
+            for s in delta.samples:
+                ids, text, _ = published.get(s.index, ([], "", False))
+                published[s.index] = (ids + s.token_ids, text + s.text, s.finished)
+    engine.abort("cut")  # the worker died; what it published stays
+    resume = [None if published.get(i, ([], "", False))[2] else
+              Resume(published.get(i, ([], ""))[0], len(published.get(i, ([], ""))[1]))
+              for i in range(3)]
+    if all(r is None for r in resume):
+        return
+    engine.add_request("cut", prompt, params, resume=resume)
+    for delta in _run(engine)["cut"]:
+        for s in delta.samples:
+            ids, text, _ = published.get(s.index, ([], "", False))
+            published[s.index] = (ids + s.token_ids, text + s.text, s.finished)
+    for i in range(3):
+        pieces = [s for d in whole for s in d.samples if s.index == i]
+        assert published[i][0] == [t for p in pieces for t in p.token_ids]
+        assert published[i][1] == "".join(p.text for p in pieces)

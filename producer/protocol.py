@@ -1,0 +1,149 @@
+"""The wire protocol, version 1: every Redis key pagedq uses and the JSON it stores there.
+
+JSON only, never pickle: producers may be untrusted. Keys (``{q}`` a queue name, ``{id}`` a job
+id):
+
+- ``pagedq:queue:{q}``: the job stream. Each entry has one field, ``job``: a ``Job`` as JSON.
+  Workers read it through the consumer group ``GROUP``.
+- ``pagedq:results:{id}``: the job's result stream. Each entry has one field, ``event``: an
+  ``Event`` as JSON. It expires ``result_ttl`` seconds after its last write.
+- ``pagedq:cancel:{id}``: present (with a TTL) once the job is to be canceled.
+- ``pagedq:dead:{q}``: the dead-letter stream: entries with ``job`` (the raw field as received),
+  ``reason`` and ``deliveries``.
+- ``rq:*``: the RQ mirror (see ``producer.rq_mirror``): a view for rq-dashboard, never read back.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+GROUP = "workers"
+PREFIX = "pagedq"
+MAX_N = 64  # samples per job: more is refused as absurd
+MAX_TOKENS = 1 << 20  # a hard ceiling; the worker also checks the model's context
+
+
+def queue_key(queue: str) -> str:
+    return f"{PREFIX}:queue:{queue}"
+
+
+def results_key(job_id: str) -> str:
+    return f"{PREFIX}:results:{job_id}"
+
+
+def cancel_key(job_id: str) -> str:
+    return f"{PREFIX}:cancel:{job_id}"
+
+
+def dead_key(queue: str) -> str:
+    return f"{PREFIX}:dead:{queue}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Sampling(_Strict):
+    """The engine's SamplingParams, with the same names, defaults and bounds."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
+    min_tokens: int = Field(0, ge=0)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "Sampling":
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+        return self
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Job(_Strict):
+    """A generation job: exactly one of ``prompt`` (text or token ids) and ``messages`` (a chat,
+    rendered with the model's chat template by the worker)."""
+
+    v: Literal[1] = PROTOCOL_VERSION
+    id: str = Field(min_length=1, max_length=128)
+    queue: str = "default"
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: Sampling = Field(default_factory=Sampling)
+    priority: int = 0  # lower runs first, as in vLLM
+    deadline: float | None = None  # unix time; past it the job ends with finish reason "deadline"
+    created_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "Job":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and len(self.prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        return self
+
+
+class Usage(_Strict):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Chunk(_Strict):
+    """New tokens of one sample. ``seq`` counts the sample's chunks from 0, across workers: a
+    reader that saw chunk k of a sample never sees another chunk k of it."""
+
+    type: Literal["chunk"] = "chunk"
+    sample: int
+    seq: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+
+
+class Done(_Strict):
+    """One sample finished: ``stop``, ``length``, ``abort`` (canceled) or ``deadline``."""
+
+    type: Literal["done"] = "done"
+    sample: int
+    finish_reason: str
+    usage: Usage
+
+
+class End(_Strict):
+    """The job finished; the last event of a job that did not fail."""
+
+    type: Literal["end"] = "end"
+    usage: Usage
+
+
+class Error(_Strict):
+    """The job failed; the last event of its stream."""
+
+    type: Literal["error"] = "error"
+    code: str  # "invalid_job", "invalid_request", "dead_letter", "internal"
+    message: str
+
+
+Event = Annotated[Chunk | Done | End | Error, Field(discriminator="type")]
+EVENT_FIELD = "event"
+JOB_FIELD = "job"
