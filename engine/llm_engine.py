@@ -134,6 +134,8 @@ class LLMEngine:
         if need > len(self.block_manager.blocks):
             raise ValueError(f"a sequence of {len(ids) + max_tokens} tokens needs {need} KV "
                              f"blocks; the pool has {len(self.block_manager.blocks)}")
+        if params.n > self.config.max_num_seqs:  # it would wait for n free slots forever
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         params = dataclasses.replace(params, max_tokens=max_tokens)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume has {len(resume)} entries for n={params.n} samples")

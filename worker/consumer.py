@@ -1,0 +1,159 @@
+"""Reading the job stream through the consumer group: new jobs, jobs reclaimed from silent
+peers, keeping this worker's own jobs claimed, and what each job's result stream already holds.
+"""
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import redis
+import structlog
+from pydantic import TypeAdapter, ValidationError
+from redis.client import Pipeline
+
+from producer.protocol import (
+    EVENT_FIELD,
+    GROUP,
+    JOB_FIELD,
+    Event,
+    Job,
+    dead_key,
+    queue_key,
+    results_key,
+)
+from worker.connection import retry
+
+log = structlog.get_logger()
+_EVENTS = TypeAdapter(Event)
+_JOB_ID = TypeAdapter(Annotated[str, Job.model_fields["id"]])
+_MAX_MESSAGE = 500  # characters of a validation error that go into an error event
+
+
+@dataclass
+class Delivery:
+    """One job stream entry handed to this worker."""
+
+    entry_id: str
+    raw: str | None  # the entry's `job` field as received
+    reclaimed: bool  # taken over from a silent peer (else read new)
+    job: Job | None = None
+    job_id: str = ""  # the job's id; the entry id where none can be read from it
+    invalid: str = ""  # why the job was refused, when it was
+    deliveries: int = 1
+    events: list[Event] = field(default_factory=list)  # its result stream so far
+    written: int = 0  # events in its result stream
+
+
+def _errors(exc: ValidationError) -> str:
+    parts = [f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors()]
+    return "; ".join(parts)[:_MAX_MESSAGE]
+
+
+def _guess_id(raw: str | None) -> str | None:
+    """The id of an invalid job, if it has a valid one, so its error reaches its reader."""
+    try:
+        return _JOB_ID.validate_python(json.loads(raw or "").get("id"))
+    except (ValueError, AttributeError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def parse(entry_id: str, fields: dict[str, str], reclaimed: bool) -> Delivery:
+    delivery = Delivery(entry_id, fields.get(JOB_FIELD), reclaimed)
+    if delivery.raw is None:
+        delivery.invalid = f"the entry has no {JOB_FIELD!r} field"
+    else:
+        try:
+            delivery.job = Job.model_validate_json(delivery.raw)
+        except ValidationError as exc:
+            delivery.invalid = _errors(exc)
+    delivery.job_id = delivery.job.id if delivery.job else _guess_id(delivery.raw) or entry_id
+    return delivery
+
+
+class Consumer:
+    def __init__(self, conn: redis.Redis, queue: str, name: str,
+                 give_up: Callable[[], bool]) -> None:
+        self.conn = conn
+        self.queue = queue
+        self.key = queue_key(queue)
+        self.name = name
+        self.give_up = give_up
+        self._cursor = "0-0"  # where the next reclaim scan of the pending entries starts
+
+    def ensure_group(self) -> None:
+        try:
+            retry(lambda: self.conn.xgroup_create(self.key, GROUP, id="0", mkstream=True),
+                        "create group", self.give_up)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, block_ms: int | None) -> list[Delivery]:
+        """Up to ``count`` new jobs; waits up to ``block_ms`` for one when given."""
+        def call() -> list:
+            try:
+                return self.conn.xreadgroup(GROUP, self.name, {self.key: ">"}, count=count,
+                                            block=block_ms)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer group missing; creating it", queue=self.queue)
+                self.ensure_group()  # the stream or Redis's data went away
+                return []
+
+        reply = retry(call, "read", self.give_up)
+        return [parse(entry_id, fields, False) for _, entries in reply or []
+                for entry_id, fields in entries]
+
+    def reclaim(self, count: int, min_idle_ms: int) -> list[Delivery]:
+        """Up to ``count`` jobs whose worker has been silent for ``min_idle_ms``, scanning the
+        pending entries a little further on each call."""
+        def call() -> list:
+            return self.conn.xautoclaim(self.key, GROUP, self.name, min_idle_ms,
+                                        start_id=self._cursor, count=count)
+
+        try:
+            self._cursor, entries, *_ = retry(call, "reclaim", self.give_up)
+        except redis.ResponseError as exc:  # NOGROUP: read() recreates it
+            log.warning("reclaim failed", error=str(exc))
+            return []
+        return [parse(entry_id, fields, True) for entry_id, fields in entries if fields]
+
+    def refresh(self, entry_ids: Iterable[str]) -> None:
+        """Re-claims this worker's in-flight jobs, which resets their idle time, so that no
+        peer takes them over while they run."""
+        ids = list(entry_ids)
+        if ids:
+            retry(lambda: self.conn.xclaim(self.key, GROUP, self.name, 0, ids,
+                                                 justid=True), "refresh claims", self.give_up)
+
+    def inspect(self, deliveries: list[Delivery]) -> None:
+        """Fills in each delivery's result stream so far and, for reclaimed ones, how often it
+        was delivered: one round trip."""
+        def call() -> list:
+            pipe = self.conn.pipeline(transaction=False)
+            for d in deliveries:
+                pipe.xrange(results_key(d.job_id))
+                if d.reclaimed:
+                    pipe.xpending_range(self.key, GROUP, d.entry_id, d.entry_id, 1)
+            return pipe.execute()
+
+        replies = iter(retry(call, "inspect", self.give_up))
+        for d in deliveries:
+            stream = next(replies)
+            d.written = len(stream)
+            try:
+                d.events = [_EVENTS.validate_json(fields[EVENT_FIELD]) for _, fields in stream]
+            except (ValidationError, KeyError) as exc:  # written by something else than pagedq
+                d.invalid = f"its result stream holds an unreadable event: {exc}"[:_MAX_MESSAGE]
+            if d.reclaimed:
+                pending = next(replies)
+                d.deliveries = pending[0]["times_delivered"] if pending else 1
+
+    def ack(self, pipe: Pipeline, entry_id: str) -> None:
+        pipe.xack(self.key, GROUP, entry_id)
+
+    def dead_letter(self, pipe: Pipeline, delivery: Delivery, reason: str) -> None:
+        pipe.xadd(dead_key(self.queue), {JOB_FIELD: delivery.raw or "", "reason": reason,
+                                         "deliveries": delivery.deliveries})

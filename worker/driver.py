@@ -1,0 +1,204 @@
+"""Jobs in, events out: each delivered job becomes an engine request (continuing from its result
+stream when another worker had begun it), and each engine step becomes result events, RQ mirror
+transitions and acknowledgements in a Batch."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from transformers import PreTrainedTokenizerBase
+
+from engine.llm_engine import LLMEngine, Resume
+from engine.outputs import SampleDelta
+from engine.sampling_params import SamplingParams
+from producer import rq_mirror
+from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
+from worker.consumer import Consumer, Delivery
+from worker.publisher import Batch
+
+log = structlog.get_logger()
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, job: Job) -> list[int]:
+    """The job's prompt as token ids: chat messages through the model's chat template."""
+    if job.messages is not None:
+        chat = [m.model_dump() for m in job.messages]
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"])
+    return tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else list(job.prompt)
+
+
+@dataclass
+class _Running:
+    """A job in the engine and what its result stream holds (or will, once flushed)."""
+
+    job: Job
+    entry_id: str
+    log: Any
+    prompt_tokens: int
+    written: int  # events in the result stream
+    seq: list[int]  # per sample: the number of its next chunk
+    tokens: list[int]  # per sample: output tokens so far
+    texts: list[list[str]]  # per sample: its text, in pieces (for the RQ result)
+    reasons: list[str | None] = field(default_factory=list)  # per sample, once done
+
+    def emit(self, batch: Batch, event: Chunk | Done | End, ack: str = "") -> None:
+        batch.event(self.job.id, self.written, event, ack)
+        self.written += 1
+
+    def replay(self, events: list[Event]) -> list[Resume | None]:
+        """Takes up what an earlier delivery published; returns where each sample resumes."""
+        token_ids: list[list[int]] = [[] for _ in self.seq]
+        for event in events:
+            if isinstance(event, Chunk):
+                self.seq[event.sample] = event.seq + 1
+                self.tokens[event.sample] += len(event.token_ids)
+                self.texts[event.sample].append(event.text)
+                token_ids[event.sample] += event.token_ids
+            elif isinstance(event, Done):
+                self.reasons[event.sample] = event.finish_reason
+        return [None if reason else Resume(ids, sum(map(len, texts)))
+                for reason, ids, texts in zip(self.reasons, token_ids, self.texts, strict=True)]
+
+
+class Driver:
+    def __init__(self, engine: LLMEngine, consumer: Consumer, max_deliveries: int) -> None:
+        self.engine = engine
+        self.consumer = consumer
+        self.queue = consumer.queue
+        self.max_deliveries = max_deliveries
+        self.jobs: dict[str, _Running] = {}
+
+    def free_slots(self) -> int:
+        """Sequence slots not taken by an unfinished sample of a job in flight."""
+        busy = sum(s.reasons.count(None) for s in self.jobs.values())
+        return self.engine.config.max_num_seqs - busy
+
+    def entry_ids(self) -> list[str]:
+        return [s.entry_id for s in self.jobs.values()]
+
+    def admit(self, deliveries: list[Delivery], batch: Batch) -> None:
+        for d in deliveries:
+            bound = log.bind(job_id=d.job_id, entry_id=d.entry_id, deliveries=d.deliveries)
+            if d.job_id in self.jobs:  # our own job, reclaimed from ourselves: it runs
+                continue
+            if any(isinstance(e, End | Error) for e in d.events):
+                bound.info("job already ended; acknowledging it")
+                batch.call(lambda p, d=d: self.consumer.ack(p, d.entry_id))
+            elif d.deliveries > self.max_deliveries:
+                reason = f"delivered {d.deliveries} times (max_deliveries={self.max_deliveries})"
+                batch.call(lambda p, d=d, r=reason: self.consumer.dead_letter(p, d, r))
+                self._fail(d, "dead_letter", reason, batch, bound)
+            elif d.invalid:
+                self._fail(d, "invalid_job", d.invalid, batch, bound)
+            else:
+                try:
+                    self._start(d, batch, bound)
+                except ValueError as exc:  # the engine's or SamplingParams' refusal
+                    self._fail(d, "invalid_request", str(exc), batch, bound)
+                except Exception as exc:  # a bug must fail the job, not the worker
+                    bound.exception("job failed")
+                    self._fail(d, "internal", f"{type(exc).__name__}: {exc}", batch, bound)
+
+    def _start(self, d: Delivery, batch: Batch, bound: Any) -> None:
+        job = d.job
+        assert job is not None
+        ids = prompt_token_ids(self.engine.tokenizer, job)
+        params = SamplingParams(**job.sampling.model_dump())
+        n = params.n
+        state = _Running(job, d.entry_id, bound, len(ids), d.written, [0] * n, [0] * n,
+                         [[] for _ in range(n)], [None] * n)
+        resume = state.replay(d.events) if d.events else None
+        if resume is not None and all(r is None for r in resume):
+            self._end(state, batch, canceled=False)  # its samples had all finished
+            return
+        self.engine.add_request(job.id, ids, params, job.priority, resume)
+        self.jobs[job.id] = state
+        batch.call(lambda p: rq_mirror.mark_started(p, job.id, self.queue,
+                                                    self.consumer.name))
+        bound.info("job started", prompt_tokens=len(ids), n=n,
+                   resumed=resume is not None and any(state.tokens))
+
+    def _fail(self, d: Delivery, code: str, message: str, batch: Batch, bound: Any) -> None:
+        """Ends the job with an ``error`` event (acknowledging it) and a failed RQ record."""
+        bound.warning("job failed", code=code, message=message)
+        batch.event(d.job_id, d.written, Error(code=code, message=message), ack=d.entry_id)
+        batch.call(lambda p: rq_mirror.mark_failed(p, d.job_id, self.queue,
+                                                   f"{code}: {message}"))
+
+    def step(self, batch: Batch) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:  # cannot tell whose request broke it: fail them all
+            log.exception("engine step failed")
+            for job_id in list(self.jobs):
+                self.engine.abort(job_id)
+                state = self.jobs.pop(job_id)
+                d = Delivery(state.entry_id, None, False, job_id=job_id, written=state.written)
+                self._fail(d, "internal", f"{type(exc).__name__}: {exc}", batch, state.log)
+            return
+        for delta in deltas:
+            state = self.jobs[delta.request_id]
+            for sample in delta.samples:
+                self._emit(state, sample, sample.finish_reason, batch)
+            if delta.finished:
+                self._end(state, batch, canceled=False)
+
+    def _emit(self, state: _Running, sample: SampleDelta, reason: str | None,
+              batch: Batch) -> None:
+        i = sample.index
+        if sample.token_ids or sample.text:
+            state.emit(batch, Chunk(sample=i, seq=state.seq[i], text=sample.text,
+                                    token_ids=sample.token_ids, logprobs=sample.logprobs))
+            state.seq[i] += 1
+            state.tokens[i] += len(sample.token_ids)
+            state.texts[i].append(sample.text)
+        if reason is not None:
+            state.reasons[i] = reason
+            state.emit(batch, Done(sample=i, finish_reason=reason, usage=Usage(
+                prompt_tokens=state.prompt_tokens, completion_tokens=state.tokens[i])))
+
+    def _end(self, state: _Running, batch: Batch, canceled: bool) -> None:
+        job_id = state.job.id
+        self.jobs.pop(job_id, None)
+        usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=sum(state.tokens))
+        state.emit(batch, End(usage=usage), ack=state.entry_id)
+        if canceled:
+            batch.call(lambda p: rq_mirror.mark_canceled(p, job_id, self.queue))
+        else:
+            result = {"outputs": [{"index": i, "text": "".join(texts), "finish_reason": reason,
+                                   "completion_tokens": tokens} for i, (texts, reason, tokens)
+                                  in enumerate(zip(state.texts, state.reasons, state.tokens,
+                                                   strict=True))],
+                      "usage": usage.model_dump()}
+            batch.call(lambda p: rq_mirror.mark_finished(p, job_id, self.queue, result))
+        state.log.info("job ended", canceled=canceled, completion_tokens=usage.completion_tokens)
+
+    def stop(self, job_id: str, reason: str, batch: Batch) -> None:
+        """Ends a job now, freeing its blocks at once: ``abort`` (canceled: RQ's canceled) or
+        ``deadline`` (RQ's finished, as the client's status says: it has its output)."""
+        state = self.jobs.get(job_id)
+        if state is None:
+            return
+        delta = self.engine.abort(job_id)
+        for sample in delta.samples if delta else []:  # the text it held back
+            self._emit(state, sample, None, batch)
+        for i, done in enumerate(state.reasons):
+            if done is None:  # samples not forked yet are in no delta
+                self._emit(state, SampleDelta(i, [], ""), reason, batch)
+        self._end(state, batch, canceled=reason == "abort")
+
+    def stop_overdue(self, batch: Batch) -> None:
+        now = time.time()
+        for state in list(self.jobs.values()):
+            if state.job.deadline is not None and now >= state.job.deadline:
+                self.stop(state.job.id, "deadline", batch)
+
+    def drop(self, job_id: str, why: str) -> None:
+        """Forgets a job without writing or acknowledging anything: another worker has it, or
+        will reclaim it from the pending entries."""
+        state = self.jobs.pop(job_id, None)
+        if state is not None:
+            self.engine.abort(job_id)
+            state.log.warning("job dropped", why=why)

@@ -1,0 +1,129 @@
+"""One pipelined round trip per engine step: every job's new events with their
+acknowledgements, the RQ mirror's transitions, and the check for cancellations.
+
+Each job's events are appended by a Lua script only if the job's result stream still holds
+exactly as many events as this worker last saw (a fence): so a write re-sent after a lost
+reply is applied once, and of two workers that both think they own a job (one stalled past
+the reclaim time) only one continues its stream; the other learns it was superseded.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import redis
+import structlog
+from redis.client import Pipeline
+
+from producer.protocol import (
+    EVENT_FIELD,
+    GROUP,
+    Chunk,
+    Done,
+    End,
+    Error,
+    cancel_key,
+    queue_key,
+    results_key,
+)
+from worker.connection import retry
+
+log = structlog.get_logger()
+
+# KEYS: the job stream, then one result stream per job. ARGV: the group, the result TTL, then
+# per job: the stream's expected length, the number of events, the entry to XACK ('' for
+# none), the events. Returns per job 1 (written, now or by an earlier try) or 0 (superseded).
+_APPEND = f"""
+local i, status = 3, {{}}
+for k = 2, #KEYS do
+  local start, count, ack = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
+  local have = redis.call('XLEN', KEYS[k])
+  if have == start then
+    for e = 1, count do
+      redis.call('XADD', KEYS[k], '*', '{EVENT_FIELD}', ARGV[i + 2 + e])
+    end
+    redis.call('EXPIRE', KEYS[k], ARGV[2])
+    if ack ~= '' then redis.pcall('XACK', KEYS[1], ARGV[1], ack) end
+    status[k - 1] = 1
+  elseif have == start + count then
+    status[k - 1] = 1
+  else
+    status[k - 1] = 0
+  end
+  i = i + 3 + count
+end
+return status
+"""
+
+
+@dataclass
+class _Append:
+    start: int  # events in the job's result stream before these
+    events: list[str] = field(default_factory=list)
+    ack: str = ""  # the job's stream entry, acknowledged after the events
+
+
+@dataclass
+class Batch:
+    """What one round trip writes; built by the driver, sent by the publisher."""
+
+    appends: dict[str, _Append] = field(default_factory=dict)
+    calls: list[Callable[[Pipeline], object]] = field(default_factory=list)
+
+    def event(self, job_id: str, start: int, event: Chunk | Done | End | Error,
+              ack: str = "") -> None:
+        """Append ``event`` to the job's result stream, ``start`` being the number of events
+        before it; ``ack``: the job's entry, acknowledged once this event is written."""
+        append = self.appends.setdefault(job_id, _Append(start))
+        append.events.append(event.model_dump_json(exclude_none=True))
+        append.ack = append.ack or ack
+
+    def call(self, add: Callable[[Pipeline], object]) -> None:
+        """Another command (an RQ mirror transition, a dead letter...), after the events."""
+        self.calls.append(add)
+
+    def __bool__(self) -> bool:
+        return bool(self.appends or self.calls)
+
+
+@dataclass
+class Flushed:
+    superseded: set[str]  # jobs whose stream another worker continued: drop them
+    canceled: set[str]  # watched jobs whose cancel key is set
+
+
+class Publisher:
+    def __init__(self, conn: redis.Redis, queue: str, result_ttl: int,
+                 give_up: Callable[[], bool]) -> None:
+        self.conn = conn
+        self.queue = queue
+        self.result_ttl = result_ttl
+        self.give_up = give_up
+
+    def flush(self, batch: Batch, watch: Iterable[str]) -> Flushed:
+        """Sends ``batch`` and asks which of the ``watch`` jobs are canceled, in one
+        transaction; re-sent until Redis answers (the fence makes that safe)."""
+        watch = list(watch)
+        job_ids = list(batch.appends)
+
+        def send() -> list:
+            pipe = self.conn.pipeline(transaction=True)
+            if job_ids:
+                args: list[str | int] = [GROUP, self.result_ttl]
+                for append in batch.appends.values():
+                    args += [append.start, len(append.events), append.ack, *append.events]
+                pipe.eval(_APPEND, 1 + len(job_ids), queue_key(self.queue),
+                          *map(results_key, job_ids), *args)
+            for add in batch.calls:
+                add(pipe)
+            if watch:
+                pipe.mget([cancel_key(job_id) for job_id in watch])
+            return pipe.execute(raise_on_error=False)
+
+        replies = retry(send, "publish", self.give_up)
+        for reply in replies:  # a failed mirror or ack command must not stop the stream
+            if isinstance(reply, Exception):
+                log.error("redis command failed", error=str(reply))
+        status = replies[0] if job_ids else []
+        canceled = replies[-1] if watch else []
+        return Flushed({j for j, ok in zip(job_ids, status, strict=True) if not ok},
+                       {j for j, flag in zip(watch, canceled, strict=True) if flag is not None})

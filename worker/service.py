@@ -1,0 +1,99 @@
+"""The worker's loop: take what the engine can admit, step it, publish the step in one round
+trip; keep in-flight jobs claimed, take over silent peers' jobs, heartbeat; stop gracefully."""
+
+import time
+
+import structlog
+
+from engine.llm_engine import LLMEngine
+from producer import rq_mirror
+from worker.config import Settings
+from worker.connection import DOWN, GaveUp, connect, retry
+from worker.consumer import Consumer, Delivery
+from worker.driver import Driver
+from worker.publisher import Batch, Publisher
+
+log = structlog.get_logger()
+IDLE_BLOCK_MS = 500  # how long an idle worker waits for a job before looking around again
+HEARTBEAT_S = 5.0
+WORKER_TTL_S = 30  # RQ's worker record outlives a few missed heartbeats, not a dead worker
+
+
+class Worker:
+    def __init__(self, settings: Settings, engine: LLMEngine | None = None) -> None:
+        self.settings = settings
+        self.name = settings.consumer
+        self.conn = connect(settings.redis_url)
+        self.engine = engine or LLMEngine(settings.engine_config())
+        self.consumer = Consumer(self.conn, settings.queue, self.name, self._past_grace)
+        self.driver = Driver(self.engine, self.consumer, settings.max_deliveries)
+        self.publisher = Publisher(self.conn, settings.queue, settings.result_ttl,
+                                   self._past_grace)
+        self.log = log.bind(worker=self.name, queue=settings.queue)
+        self._batch = Batch()  # events of aborts decided after the last flush
+        self._stop_at: float | None = None
+        self._next_heartbeat = self._next_claims = 0.0
+
+    def stop(self) -> None:
+        """Stop taking jobs and finish those in flight within the grace period; called again,
+        stop now. Safe from a signal handler."""
+        now = time.monotonic()
+        self._stop_at = now if self._stop_at is not None else now + self.settings.grace_period
+
+    def _past_grace(self) -> bool:
+        return self._stop_at is not None and time.monotonic() >= self._stop_at
+
+    def run(self) -> None:
+        """Serves the queue until stopped; jobs still running then are left pending (not
+        acknowledged) for a peer to reclaim."""
+        try:
+            self.consumer.ensure_group()
+            retry(lambda: rq_mirror.register_worker(self.conn, self.name, [self.consumer.queue],
+                                                    WORKER_TTL_S), "register", self._past_grace)
+            self.log.info("worker ready", max_num_seqs=self.engine.config.max_num_seqs)
+            while not self._past_grace() and (
+                    self._stop_at is None or self.driver.jobs or self._batch):
+                self._tick()
+        except GaveUp as exc:
+            self.log.error("redis stayed unavailable until the grace period ended",
+                           during=str(exc))
+        finally:
+            for job_id in list(self.driver.jobs):
+                self.driver.drop(job_id, "worker stopping: left pending for a peer")
+            try:
+                rq_mirror.unregister_worker(self.conn, self.name)
+            except DOWN:
+                self.log.warning("could not unregister from RQ: redis unavailable")
+            self.log.info("worker stopped")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + HEARTBEAT_S
+            retry(lambda: rq_mirror.heartbeat(self.conn, self.name, WORKER_TTL_S), "heartbeat",
+                  self._past_grace)
+        taking = self._stop_at is None
+        free = self.driver.free_slots() if taking else 0
+        deliveries: list[Delivery] = []
+        if now >= self._next_claims:
+            self._next_claims = now + self.settings.claim_refresh_s
+            self.consumer.refresh(self.driver.entry_ids())
+            if free > 0:
+                deliveries += self.consumer.reclaim(free, self.settings.reclaim_idle_ms)
+        if free > len(deliveries):
+            idle = not (self.driver.jobs or self._batch or deliveries)
+            deliveries += self.consumer.read(free - len(deliveries),
+                                             IDLE_BLOCK_MS if idle else None)
+        if deliveries:
+            self.consumer.inspect(deliveries)
+            self.driver.admit(deliveries, self._batch)
+        self.driver.stop_overdue(self._batch)
+        if self.engine.has_unfinished():
+            self.driver.step(self._batch)
+        if self._batch or self.driver.jobs:
+            batch, self._batch = self._batch, Batch()
+            flushed = self.publisher.flush(batch, list(self.driver.jobs))
+            for job_id in flushed.superseded:
+                self.driver.drop(job_id, "another worker continued its result stream")
+            for job_id in flushed.canceled:  # aborted now; its events go out next round trip
+                self.driver.stop(job_id, "abort", self._batch)
