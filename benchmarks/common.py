@@ -1,0 +1,115 @@
+"""Helpers shared by the benchmarks: models, random prompts, threads, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub from a benchmark
+# OpenMP threads that spin at barriers collapse when the cores are shared (a small matmul on
+# 2 threads ran 10x slower beside one busy process); sleeping waits cost little when they are
+# not. Set OMP_WAIT_POLICY=ACTIVE in the environment to measure the spinning behaviour.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+RANDOM_MODEL_DIR = OUT_DIR / "random-llama-77m"
+MODELS = ("random", "smollm2")
+T = TypeVar("T")
+
+
+def log(*parts: Any) -> None:
+    """Progress notes go to stderr; stdout holds the results."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _retry(fn: Callable[[], T], what: str, attempts: int = 5, wait_s: float = 60.0) -> T:
+    """A colleague may still be writing the model helpers: retry an import error a few times."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except ImportError as e:
+            if attempt == attempts - 1:
+                raise
+            log(f"{what}: {e}; retrying in {wait_s:.0f}s")
+            time.sleep(wait_s)
+    raise AssertionError("unreachable")
+
+
+def _random_model() -> Path:
+    from engine.random_model import build_random_checkpoint
+
+    return build_random_checkpoint(RANDOM_MODEL_DIR, "llama", hidden_size=768, num_layers=12,
+                                   num_heads=12, num_kv_heads=4, intermediate_size=2048,
+                                   init_std=0.05)
+
+
+def _default_model() -> Path:
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+def model_path(name: str) -> Path:
+    """The folder of the "random" 77M llama (built once under benchmarks/out) or of SmolLM2."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    return _retry(_random_model if name == "random" else _default_model, f"model {name}")
+
+
+def set_threads(threads: int | None) -> int:
+    """Uses `threads` intra-op threads (default: every core) and returns the number."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    return torch.get_num_threads()
+
+
+def usable_token_ids(path: Path) -> np.ndarray:
+    """Every vocabulary id except the tokenizer's special ones."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    special = set(AutoTokenizer.from_pretrained(path).all_special_ids)
+    return np.array([i for i in range(vocab) if i not in special], dtype=np.int64)
+
+
+def random_prompt(rng: np.random.Generator, ids: np.ndarray, length: int) -> list[int]:
+    return rng.choice(ids, size=length).tolist()
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """Calls `fn` and returns its result and the wall-clock seconds it took."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain left-aligned text table (first column) with right-aligned figures."""
+    cells = [list(map(str, headers))] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "-" if value is None else str(value)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    log(f"wrote {path}")

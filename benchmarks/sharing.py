@@ -1,0 +1,131 @@
+"""Prompt sharing: one request with n samples vs the same samples as separate requests.
+
+One prompt of --prompt-len random token ids; --n samples at temperature 0.8 (seeded), each
+exactly --max-tokens long (ignore_eos). Three rows, each on a fresh pagedq engine:
+
+- ``n=8 shared``: one request with ``n=8``; the samples share the prompt's KV blocks (prefix
+  caching off, so only the sharing of a request's samples is measured);
+- ``8 separate, no prefix cache``: eight n=1 requests, prefix caching disabled: the baseline
+  without any sharing, where every request computes and holds its own copy of the prompt;
+- ``8 separate, prefix cache``: the same eight requests with prefix caching on; a request
+  admitted after the prompt's blocks are computed reuses them.
+
+Prints each run's peak KV blocks (``stats()["kv_blocks_peak"]``) and its ratio to the shared
+run's, output tokens/s and the shared run's tokens/s over each (its speed-up), and writes
+benchmarks/out/sharing-<model>.json.
+
+    .venv/bin/python benchmarks/sharing.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
+    MODELS,
+    OUT_DIR,
+    format_table,
+    log,
+    model_path,
+    random_prompt,
+    set_threads,
+    timed,
+    usable_token_ids,
+    write_json,
+)
+
+# isort: split
+import numpy as np  # noqa: E402
+
+
+@dataclass
+class Row:
+    system: str
+    seconds: float
+    output_tokens: int
+    kv_blocks_peak: int
+    prefix_cache_hits: int
+    preemptions: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=MODELS, default="random")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def _params(args: argparse.Namespace, n: int, seed: int) -> Any:
+    from engine import SamplingParams
+
+    return SamplingParams(n=n, temperature=args.temperature, seed=seed,
+                          max_tokens=args.max_tokens, ignore_eos=True)
+
+
+def run(system: str, path: Path, prompt: list[int], params: list[Any],
+        prefix_caching: bool) -> Row:
+    """Runs the requests ``(prompt, params[i])`` together on a fresh engine."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=prefix_caching)
+    llm.generate([prompt[:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up, on a prefix too short to fill a block
+    outs, seconds = timed(lambda: llm.generate([prompt] * len(params), params, use_tqdm=False))
+    tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    expected = sum(p.n * p.max_tokens for p in params)
+    if tokens != expected:
+        raise RuntimeError(f"{system}: generated {tokens} tokens, expected {expected}")
+    stats = llm.stats()
+    return Row(system, seconds, tokens, int(stats["kv_blocks_peak"]),
+               int(stats["prefix_cache_hits"]), int(stats["preemptions"]))
+
+
+def report(name: str, rows: list[Row], args: argparse.Namespace, threads: int) -> None:
+    shared = rows[0]
+    table = [[r.system, r.kv_blocks_peak, r.kv_blocks_peak / shared.kv_blocks_peak, r.seconds,
+              r.tok_s, shared.tok_s / r.tok_s, r.prefix_cache_hits] for r in rows]
+    print(f"\n== sharing: model={name}, {args.n} samples of a {args.prompt_len}-token prompt, "
+          f"{args.max_tokens} tokens each, temperature {args.temperature}, {threads} threads ==")
+    print(format_table(["run", "peak KV blocks", "blocks / shared's", "seconds", "output tok/s",
+                        "shared's tok/s /", "prefix hit tokens"], table))
+    write_json(OUT_DIR / f"sharing-{name}.json", {
+        "model": name, "args": vars(args), "threads": threads,
+        "rows": [asdict(r) | {"tok_s": r.tok_s} for r in rows],
+    })
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    path = model_path(args.model)
+    prompt = random_prompt(np.random.default_rng(args.seed), usable_token_ids(path),
+                           args.prompt_len)
+    separate = [_params(args, 1, args.seed + i) for i in range(args.n)]
+    plans = [(f"n={args.n} shared", [_params(args, args.n, args.seed)], False),
+             (f"{args.n} separate, no prefix cache", separate, False),
+             (f"{args.n} separate, prefix cache", separate, True)]
+    rows = []
+    for system, params, caching in plans:
+        rows.append(run(system, path, prompt, params, caching))
+        gc.collect()  # drop the engine and its KV pool before the next one
+        log(f"{system}: {rows[-1].seconds:.1f}s, peak {rows[-1].kv_blocks_peak} blocks")
+    report(args.model, rows, args, threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Offline throughput: pagedq vs Hugging Face transformers on the same model and requests.
+
+Workload (as vLLM's benchmark_throughput with random inputs): N requests whose prompts are
+random token ids (uniform length in [--min-prompt, --max-prompt], special ids avoided) and
+whose output lengths are uniform in [--min-output, --max-output]; greedy, ignore_eos, so every
+request generates exactly its own length. Systems, in one process, one after the other:
+
+- pagedq: ``LLM.generate`` on every request at once (continuous batching, paged KV);
+- hf-static B=b: ``model.generate`` on the requests chunked in arrival order into batches of b,
+  left-padded with an attention mask, ``max_new_tokens = min_new_tokens`` = the batch's longest
+  output. Only each request's own output length counts as output (as vLLM's HF backend does);
+- hf-cb: transformers' continuous batching (``continuous_batching_context_manager``), each
+  request added with its own ``max_new_tokens``.
+
+HF's eos is disabled (``eos_token_id`` None / -1) rather than masked, so that no HF run stops
+early and greedy tokens stay comparable with pagedq's ``ignore_eos`` (masking eos with
+``min_new_tokens`` alone would change the argmax wherever eos wins). Prints a table to stdout
+and writes benchmarks/out/throughput-<model>.json.
+
+    .venv/bin/python benchmarks/throughput.py --model random --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
+    MODELS,
+    OUT_DIR,
+    format_table,
+    log,
+    model_path,
+    random_prompt,
+    set_threads,
+    timed,
+    usable_token_ids,
+    write_json,
+)
+
+# isort: split
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PAGEDQ_MAX_BATCHED_TOKENS = 2048
+PAGEDQ_MAX_NUM_SEQS = 256
+CB_PAGE_SIZE = 16  # tokens per page of transformers' paged cache, as pagedq's block_size
+NUM_CHECKED = 4  # requests whose greedy tokens are compared across systems
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+
+@dataclass
+class Result:
+    system: str
+    seconds: float
+    output_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="64 keeps a model's run near 12 minutes on 2 cores; 128 takes ~25")
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--skip-hf-static", action="store_true")
+    p.add_argument("--skip-hf-cb", action="store_true")
+    p.add_argument("--batch-sizes", default="8,16,32",
+                   help="HF static batch sizes, comma-separated")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    if not (0 < args.min_prompt <= args.max_prompt and 0 < args.min_output <= args.max_output):
+        p.error("need 0 < min <= max for prompt and output lengths")
+    return args
+
+
+def make_workload(path: Path, args: argparse.Namespace) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    ids = usable_token_ids(path)
+    n = args.num_requests
+    prompt_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
+    output_lens = rng.integers(args.min_output, args.max_output + 1, n)
+    return Workload([random_prompt(rng, ids, int(k)) for k in prompt_lens],
+                    [int(k) for k in output_lens])
+
+
+# ----------------------------------------------------------------------------- pagedq
+
+
+def run_pagedq(path: Path, wl: Workload) -> tuple[Result, list[list[int]]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=True,
+              max_num_seqs=PAGEDQ_MAX_NUM_SEQS, max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    outs, seconds = timed(lambda: llm.generate(wl.prompts, params))
+    tokens = [o.outputs[0].token_ids for o in outs]
+    _check_lengths("pagedq", tokens, wl.output_lens)
+    stats = llm.stats()
+    extra = {k: stats[k] for k in ("kv_blocks_peak", "kv_blocks_total", "kv_utilization_at_peak",
+                                   "preemptions", "prefix_cache_hits")}
+    return Result("pagedq", seconds, sum(map(len, tokens)), extra), tokens
+
+
+def _check_lengths(system: str, tokens: list[list[int]], expected: list[int]) -> None:
+    bad = [(i, len(t), n) for i, (t, n) in enumerate(zip(tokens, expected, strict=True))
+           if len(t) != n]
+    if bad:
+        raise RuntimeError(f"{system}: requests (index, generated, expected) {bad[:5]} did not "
+                           f"generate their output length")
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def load_hf(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: only max_new_tokens stops
+    return model
+
+
+def _pad_id(model: Any) -> int:
+    pad = model.config.pad_token_id
+    return pad if pad is not None else 0
+
+
+@torch.inference_mode()
+def _static_batch(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    width = max(map(len, prompts))
+    pad = _pad_id(model)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                         max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad)
+    if out.shape[1] != width + max_new:
+        raise RuntimeError(f"hf-static generated {out.shape[1] - width} tokens, not {max_new}")
+    return out[:, width:].tolist()
+
+
+def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, list[list[int]]]:
+    def run() -> list[list[int]]:
+        tokens: list[list[int]] = []
+        for start in range(0, len(wl.prompts), batch_size):
+            lens = wl.output_lens[start:start + batch_size]
+            batch = _static_batch(model, wl.prompts[start:start + batch_size], max(lens))
+            tokens += [row[:n] for row, n in zip(batch, lens, strict=True)]
+            log(f"hf-static B={batch_size}: {len(tokens)}/{len(wl.prompts)} requests")
+        return tokens
+
+    tokens, seconds = timed(run)
+    _check_lengths(f"hf-static B={batch_size}", tokens, wl.output_lens)
+    return Result(f"hf-static B={batch_size}", seconds, wl.output_tokens), tokens
+
+
+def _cb_config(wl: Workload) -> Any:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # Room for every request at its full length at once (+1 page each), so nothing is evicted.
+    pages = sum(-(-(len(p) + n) // CB_PAGE_SIZE) + 1 for p, n in zip(wl.prompts, wl.output_lens,
+                                                                       strict=True))
+    return ContinuousBatchingConfig(
+        page_size=CB_PAGE_SIZE, num_blocks=pages, max_batch_tokens=PAGEDQ_MAX_BATCHED_TOKENS,
+        max_requests_per_batch=PAGEDQ_MAX_NUM_SEQS, auto_switch_to_flash=False,
+        use_cuda_graph=False, use_async_batching=False)
+
+
+@torch.inference_mode()
+def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
+    from transformers import GenerationConfig
+
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1,
+                                  max_new_tokens=max(wl.output_lens))
+    with model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=_cb_config(wl),
+            warmup=False) as manager:
+        results, seconds = timed(lambda: _cb_generate(manager, wl))
+    tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(wl.prompts))]
+    _check_lengths("hf-cb", tokens, wl.output_lens)
+    return Result("hf-cb", seconds, sum(map(len, tokens))), tokens
+
+
+def _cb_generate(manager: Any, wl: Workload) -> dict[str, Any]:
+    for i, (prompt, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+    results: dict[str, Any] = {}
+    while len(results) < len(wl.prompts):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError(f"hf-cb stopped with {len(results)} of {len(wl.prompts)} done")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"hf-cb request {result.request_id} failed: {result.error}")
+        if result.is_finished():
+            results[result.request_id] = result
+            if len(results) % 8 == 0:
+                log(f"hf-cb: {len(results)}/{len(wl.prompts)} requests")
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
+    """Per request: None where the tokens agree, else the index of the first difference."""
+    firsts: list[int | None] = []
+    for a, b in zip(reference, other, strict=True):
+        diff = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+        firsts.append(diff[0] if diff else None if len(a) == len(b) else min(len(a), len(b)))
+    return firsts
+
+
+def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any],
+           args: argparse.Namespace, threads: int) -> None:
+    ours = results[0]
+    rows = [[r.system, r.seconds, r.tok_s, ours.tok_s / r.tok_s] for r in results]
+    static = [r for r in results if r.system.startswith("hf-static")]
+    print(f"\n== throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} prompt "
+          f"+ {wl.output_tokens} output tokens, {threads} threads ==")
+    print(format_table(["system", "seconds", "output tok/s", "pagedq speed-up"], rows))
+    if static:
+        best = max(static, key=lambda r: r.tok_s)
+        print(f"best hf-static: {best.system} -> pagedq x{ours.tok_s / best.tok_s:.2f}")
+    print(f"pagedq: kv_blocks_peak={ours.extra['kv_blocks_peak']} of "
+          f"{ours.extra['kv_blocks_total']}, kv_utilization_at_peak="
+          f"{ours.extra['kv_utilization_at_peak']:.3f}, preemptions={ours.extra['preemptions']}")
+    for system, firsts in checks.items():
+        verdict = "agree" if all(f is None for f in firsts) else f"DIFFER (first diff {firsts})"
+        print(f"greedy tokens, first {len(firsts)} requests, pagedq vs {system}: {verdict}")
+    write_json(OUT_DIR / f"throughput-{name}.json", {
+        "model": name, "args": {k: v for k, v in vars(args).items()}, "threads": threads,
+        "num_requests": len(wl.prompts), "prompt_tokens": wl.prompt_tokens,
+        "output_tokens": wl.output_tokens,
+        "results": [asdict(r) | {"tok_s": r.tok_s, "pagedq_ratio": ours.tok_s / r.tok_s}
+                    for r in results],
+        "greedy_agreement_first_diff": checks,
+    })
+
+
+def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
+    path = model_path(name)
+    wl = make_workload(path, args)
+    log(f"{name}: {len(wl.prompts)} requests, {wl.prompt_tokens} prompt tokens, "
+        f"{wl.output_tokens} output tokens")
+    ours, our_tokens = run_pagedq(path, wl)
+    gc.collect()  # the engine and its KV pool are garbage now
+    log(f"pagedq: {ours.seconds:.1f}s, {ours.tok_s:.1f} tok/s")
+    results, checks = [ours], {}
+    if args.skip_hf_static and args.skip_hf_cb:
+        report(name, wl, results, checks, args, threads)
+        return
+    model = load_hf(path)
+    _static_batch(model, wl.prompts[:2], 4)  # warm-up
+    k = min(NUM_CHECKED, len(wl.prompts))
+    for b in [] if args.skip_hf_static else args.batch_sizes:
+        result, tokens = run_hf_static(model, wl, b)
+        log(f"{result.system}: {result.seconds:.1f}s, {result.tok_s:.1f} tok/s")
+        results.append(result)
+        checks.setdefault("hf-static", agreement(our_tokens[:k], tokens[:k]))
+    if not args.skip_hf_cb:
+        result, tokens = run_hf_cb(model, wl)
+        log(f"{result.system}: {result.seconds:.1f}s, {result.tok_s:.1f} tok/s")
+        results.append(result)
+        checks["hf-cb"] = agreement(our_tokens[:k], tokens[:k])
+    report(name, wl, results, checks, args, threads)
+    del model
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    for name in MODELS if args.model == "both" else [args.model]:
+        bench_model(name, args, threads)
+
+
+if __name__ == "__main__":
+    main()
