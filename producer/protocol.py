@@ -15,7 +15,7 @@ id):
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
 GROUP = "workers"
@@ -65,6 +65,11 @@ class Sampling(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value  # as SamplingParams accepts
+
     @model_validator(mode="after")
     def _min_le_max(self) -> "Sampling":
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -83,8 +88,9 @@ class Job(_Strict):
     rendered with the model's chat template by the worker)."""
 
     v: Literal[1] = PROTOCOL_VERSION
-    id: str = Field(min_length=1, max_length=128)
-    queue: str = "default"
+    # RQ's own job-id rule: its started registry splits "{id}:{execution}" on ":"
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    queue: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")  # RQ joins names with ","
     prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
     messages: list[ChatMessage] | None = None
     sampling: Sampling = Field(default_factory=Sampling)

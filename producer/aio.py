@@ -1,0 +1,94 @@
+"""The asyncio client: ``Client``'s API with coroutines, on ``redis.asyncio``.
+
+    async with AsyncClient("redis://localhost:6379/0") as client:
+        job = await client.submit("Tell me a joke", max_tokens=64)
+        async for event in job.stream():
+            ...
+        result = await job.result(timeout=60)
+
+Same semantics as ``producer.client`` (see its docstring): the same submit script, the same
+folding and timeouts (``producer.core``); only the I/O differs.
+"""
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from . import core
+from .client import CANCEL_TTL, DEFAULT_URL
+from .core import JobFailed, JobResult, Reader
+from .protocol import Error, Event, cancel_key, results_key
+from .rq_mirror import enqueue_ops, enqueue_reply
+
+
+class AsyncJobHandle:
+    def __init__(self, client: "AsyncClient", job_id: str) -> None:
+        self.client, self.id = client, job_id
+
+    def __repr__(self) -> str:
+        return f"AsyncJobHandle({self.id!r})"
+
+    async def _read(self, reader: Reader) -> AsyncIterator[Event]:
+        while not reader.done:
+            for event in reader.feed(await self.client.redis.xread(**reader.request())):
+                yield event
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
+        """The job's events in order, ending with End; raises JobFailed on an error event and
+        TimeoutError after ``timeout`` seconds without an event."""
+        async for event in self._read(Reader(self.id, timeout, idle=True)):
+            if isinstance(event, Error):
+                raise JobFailed(self.id, event.code, event.message)
+            yield event
+
+    async def result(self, timeout: float | None = None) -> JobResult:
+        """Waits up to ``timeout`` seconds for the job to end and returns its outputs."""
+        return core.fold(self.id, [event async for event in self._read(Reader(self.id, timeout))])
+
+    async def status(self) -> str:
+        """``queued``, ``started``, ``finished``, ``failed`` or ``canceled``."""
+        entries = core.decode_entries(await self.client.redis.xrange(results_key(self.id)))
+        return core.status_of([event for _, event in entries])
+
+    async def cancel(self) -> None:
+        await self.client.redis.set(cancel_key(self.id), 1, ex=self.client.cancel_ttl)
+
+
+class AsyncClient:
+    def __init__(self, redis_url: str = DEFAULT_URL, queue: str = "default", *,
+                 max_queue_len: int | None = 10_000, retries: int = 10,
+                 backoff_base: float = 0.05, backoff_cap: float = 2.0,
+                 cancel_ttl: int = CANCEL_TTL) -> None:
+        self.queue, self.max_queue_len, self.cancel_ttl = queue, max_queue_len, cancel_ttl
+        retry = Retry(ExponentialBackoff(cap=backoff_cap, base=backoff_base), retries)
+        self.redis = Redis.from_url(redis_url, decode_responses=True, retry=retry)
+
+    async def submit(self, prompt: str | list[int] | None = None, **kwargs: Any) -> AsyncJobHandle:
+        """As ``Client.submit``."""
+        return (await self.submit_many([{"prompt": prompt, **kwargs}]))[0]
+
+    async def submit_many(self, specs: Iterable[dict[str, Any]]) -> list[AsyncJobHandle]:
+        """As ``Client.submit_many``: one round trip, all or nothing."""
+        jobs = core.new_jobs(self.queue, specs)
+        if not jobs:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            enqueue_ops(pipe, jobs, self.max_queue_len)
+            enqueue_reply((await pipe.execute())[0], self.queue, self.max_queue_len)
+        return [AsyncJobHandle(self, job.id) for job in jobs]
+
+    def job(self, job_id: str) -> AsyncJobHandle:
+        """A handle on a job submitted earlier, by id."""
+        return AsyncJobHandle(self, job_id)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

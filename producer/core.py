@@ -1,0 +1,155 @@
+"""What the sync and the asyncio clients share: errors, building jobs, decoding result streams,
+folding events into a result, and the clock of a wait. Pure functions, no I/O.
+
+Decisions:
+- ``status`` derives from the result stream alone (the source of truth): ``queued`` (no event
+  yet, or the stream expired), ``started``, ``finished``, ``failed``, ``canceled`` (every sample
+  ended with finish reason ``abort``).
+- Reads block in slices of at most ``BLOCK_SLICE`` seconds, below redis-py's default socket
+  timeout, so that a blocked read is never mistaken for a dead connection.
+"""
+
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from .protocol import EVENT_FIELD, Chunk, Done, End, Error, Event, Job, Sampling, Usage, results_key
+
+BLOCK_SLICE = 1.0
+READ_COUNT = 512  # events per read
+_EVENT = TypeAdapter(Event)
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue_len`` jobs not yet delivered to a worker: nothing was added."""
+
+    def __init__(self, queue: str, waiting: int, max_queue_len: int) -> None:
+        super().__init__(f"queue {queue!r} is full: {waiting} jobs not yet delivered to a "
+                         f"worker, limit {max_queue_len}; nothing was submitted")
+        self.queue, self.waiting, self.max_queue_len = queue, waiting, max_queue_len
+
+
+class JobFailed(Exception):
+    """The job ended with an ``error`` event."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed ({code}): {message}")
+        self.job_id, self.code, self.message = job_id, code, message
+
+
+class SampleOutput(BaseModel):
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    usage: Usage | None = None
+
+
+class JobResult(BaseModel):
+    id: str
+    status: str
+    outputs: list[SampleOutput]
+    usage: Usage | None = None
+
+
+def new_job(queue: str, prompt: str | list[int] | None = None, *,
+            messages: list[dict[str, str]] | None = None, priority: int = 0,
+            deadline: float | None = None, job_id: str | None = None, **sampling: Any) -> Job:
+    """A validated Job; ``sampling`` takes SamplingParams' keywords. Raises pydantic's
+    ValidationError (a ValueError) naming each bad field."""
+    return Job(id=job_id or uuid.uuid4().hex, queue=queue, prompt=prompt, messages=messages,
+               sampling=Sampling(**sampling), priority=priority, deadline=deadline,
+               created_at=time.time())
+
+
+def new_jobs(queue: str, specs: Iterable[dict[str, Any]]) -> list[Job]:
+    return [new_job(queue, **spec) for spec in specs]
+
+
+def decode_entries(entries: list[tuple[str, dict[str, str]]]) -> list[tuple[str, Event]]:
+    """Stream entries ``(id, {"event": json})`` -> ``(id, Event)``."""
+    return [(entry_id, _EVENT.validate_json(fields[EVENT_FIELD])) for entry_id, fields in entries]
+
+
+def xread_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
+    """The entries of a one-stream XREAD reply (RESP2 list or RESP3 dict)."""
+    if not reply:
+        return []
+    return next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+
+
+def is_last(event: Event) -> bool:
+    return isinstance(event, End | Error)
+
+
+def status_of(events: list[Event]) -> str:
+    if any(isinstance(e, Error) for e in events):
+        return "failed"
+    if any(isinstance(e, End) for e in events):
+        reasons = [e.finish_reason for e in events if isinstance(e, Done)]
+        return "canceled" if reasons and all(r == "abort" for r in reasons) else "finished"
+    return "started" if events else "queued"
+
+
+def fold(job_id: str, events: list[Event]) -> JobResult:
+    """Folds a job's events into its result; raises JobFailed on an ``error`` event."""
+    samples: dict[int, SampleOutput] = {}
+    usage = None
+    for e in events:
+        if isinstance(e, Error):
+            raise JobFailed(job_id, e.code, e.message)
+        if isinstance(e, End):
+            usage = e.usage
+            continue
+        out = samples.setdefault(e.sample, SampleOutput(index=e.sample))
+        if isinstance(e, Chunk):
+            out.text += e.text
+            out.token_ids += e.token_ids
+            if e.logprobs is not None:
+                out.logprobs = (out.logprobs or []) + e.logprobs
+        else:
+            out.finish_reason, out.usage = e.finish_reason, e.usage
+    return JobResult(id=job_id, status=status_of(events),
+                     outputs=[samples[i] for i in sorted(samples)], usage=usage)
+
+
+class Reader:
+    """The state of a loop reading one job's result stream: the entry id it resumes from (after
+    a reconnect too), the events seen, and its clock: ``timeout`` seconds in all, or of silence
+    when ``idle``. Each turn: ``xread(**reader.request())``, then ``reader.feed(reply)``."""
+
+    def __init__(self, job_id: str, timeout: float | None, idle: bool = False) -> None:
+        self.job_id, self.timeout, self.idle = job_id, timeout, idle
+        self.last, self.seen, self.done = "0-0", [], False
+        self.until = self._until()
+
+    def _until(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
+
+    def request(self) -> dict[str, Any]:
+        """XREAD's arguments; raises TimeoutError once the time is up."""
+        left = BLOCK_SLICE if self.until is None else self.until - time.monotonic()
+        if left <= 0:
+            what = "no event" if self.idle else "the job did not finish"
+            raise TimeoutError(f"job {self.job_id}: {what} within {self.timeout} s (status "
+                               f"{status_of(self.seen)!r}, {len(self.seen)} events so far)")
+        return {"streams": {results_key(self.job_id): self.last}, "count": READ_COUNT,
+                "block": max(1, int(min(left, BLOCK_SLICE) * 1000))}
+
+    def feed(self, reply: Any) -> list[Event]:
+        """The new events of an XREAD reply, up to the job's last one."""
+        events = []
+        for entry_id, event in decode_entries(xread_entries(reply)):
+            self.last = entry_id
+            events.append(event)
+            if is_last(event):
+                self.done = True
+                break
+        if events and self.idle:
+            self.until = self._until()
+        self.seen += events
+        return events

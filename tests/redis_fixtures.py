@@ -1,0 +1,208 @@
+"""Real Redis servers for tests: a fresh ``redis-server`` on a free loopback port in a tmp dir,
+killed at teardown. Never a mock: the Lua scripts, stream commands and RQ's own readers must run
+against the real thing.
+
+Registered from ``tests/conftest.py`` (``pytest_plugins = ["redis_fixtures"]``).
+
+- ``redis_url``: one server per test, no persistence, yields ``redis://127.0.0.1:PORT/0``.
+- ``redis_server``: the same, as a ``RedisServer`` (``.url``, ``.stop()``, ``.start()``,
+  ``.restart()``).
+- ``redis_server_factory(aof=False)``: more servers; ``aof=True`` turns on the append-only file
+  (fsync always) so that ``restart()`` — same port, same dir — keeps the data.
+- ``FakeWorker`` / ``fake_worker``: answers jobs per the wire protocol without an engine, for
+  tests of the producer side.
+"""
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer import rq_mirror
+from producer.protocol import (
+    GROUP,
+    Chunk,
+    Done,
+    End,
+    Error,
+    Job,
+    Usage,
+    cancel_key,
+    queue_key,
+    results_key,
+)
+
+REDIS_SERVER = shutil.which("redis-server") or "redis-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, directory: Path, aof: bool = False) -> None:
+        self.directory = directory
+        self.aof = aof
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.directory), "--save", "", "--daemonize", "no",
+                "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always"]
+        with open(self.directory / "redis.log", "ab") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    tail = (self.directory / "redis.log").read_text()[-2000:]
+                    raise RuntimeError(f"redis-server did not start:\n{tail}") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # like a crash: only what the AOF holds survives
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    servers: list[RedisServer] = []
+
+    def make(aof: bool = False) -> RedisServer:
+        directory = tmp_path / f"redis{len(servers)}"
+        directory.mkdir()
+        server = RedisServer(directory, aof=aof)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    return redis_server_factory()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+class FakeWorker:
+    """Answers jobs as a pagedq worker would, without an engine, so that producer tests need no
+    model: sample i of a job gets min(max_tokens, 4) tokens, token t being id 100 * i + t and
+    text " s{i}t{t}", one chunk each (``delay`` seconds apart); a canceled job ends its samples
+    with "abort"; a prompt containing "FAIL" gets an ``error`` event. Every step is mirrored in
+    RQ through ``producer.rq_mirror``."""
+
+    def __init__(self, url: str, queue: str = "default", name: str = "fake-1",
+                 delay: float = 0.0) -> None:
+        self.key = queue_key(queue)
+        self.conn = redis.Redis.from_url(url, decode_responses=True)
+        self.queue, self.name, self.delay = queue, name, delay
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        try:
+            self.conn.xgroup_create(self.key, GROUP, id="0", mkstream=True)
+        except redis.ResponseError:  # BUSYGROUP: a producer made it first
+            pass
+        rq_mirror.register_worker(self.conn, name, [queue], ttl=60)
+
+    def step(self, block_ms: int = 50) -> bool:
+        """Handles at most one job; True if there was one."""
+
+        reply = self.conn.xreadgroup(GROUP, self.name, {self.key: ">"}, count=1,
+                                     block=block_ms)
+        if not reply:
+            return False
+        entry_id, fields = reply[0][1][0]
+        job = Job.model_validate_json(fields["job"])
+        self._pipe(lambda p: rq_mirror.mark_started(p, job.id, self.queue, self.name))
+        out = results_key(job.id)
+
+        def publish(event: Chunk | Done | End | Error) -> None:
+            self.conn.xadd(out, {"event": event.model_dump_json()})
+            self.conn.expire(out, 3600)
+
+        if "FAIL" in str(job.prompt):
+            publish(Error(code="invalid_request", message="the prompt asked to fail"))
+            self._pipe(lambda p: rq_mirror.mark_failed(p, job.id, self.queue, "asked to fail"))
+        else:
+            prompt_tokens = len(str(job.prompt or job.messages))
+            n_tokens = min(job.sampling.max_tokens or 4, 4)
+            aborted = False
+            for i in range(job.sampling.n):
+                done = 0
+                for t in range(n_tokens):
+                    aborted = aborted or bool(self.conn.exists(cancel_key(job.id)))
+                    if aborted:
+                        break
+                    publish(Chunk(sample=i, seq=t, text=f" s{i}t{t}", token_ids=[100 * i + t]))
+                    done += 1
+                    time.sleep(self.delay)
+                reason = "abort" if aborted else "length"
+                publish(Done(sample=i, finish_reason=reason,
+                             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=done)))
+            publish(End(usage=Usage(prompt_tokens=prompt_tokens,
+                                    completion_tokens=job.sampling.n * n_tokens)))
+            if aborted:
+                self._pipe(lambda p: rq_mirror.mark_canceled(p, job.id, self.queue))
+            else:
+                result = {"texts": [f"sample {i}" for i in range(job.sampling.n)]}
+                self._pipe(lambda p: rq_mirror.mark_finished(p, job.id, self.queue, result))
+        self.conn.xack(self.key, GROUP, entry_id)
+        return True
+
+    def _pipe(self, ops: Callable[[redis.client.Pipeline], None]) -> None:
+        with self.conn.pipeline() as pipe:
+            ops(pipe)
+            pipe.execute()
+
+    def start(self) -> "FakeWorker":
+        def loop() -> None:
+            while not self.stopped.is_set():
+                self.step()
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        self.conn.close()
+
+
+@pytest.fixture
+def fake_worker(redis_url: str) -> Iterator[FakeWorker]:
+    """A FakeWorker answering the ``default`` queue in a thread."""
+    worker = FakeWorker(redis_url).start()
+    yield worker
+    worker.stop()
