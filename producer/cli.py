@@ -44,6 +44,15 @@ FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penal
 INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
 FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LISTS = (("stop", str), ("stop_token_ids", int))  # repeatable: --stop A --stop B
+SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS)
+
+
+def explain(error: Exception) -> str:
+    """A validation error in one line: ``field: reason; ...``."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}"
+                     for e in error.errors())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,8 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
-    names = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS)
-    sampling = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS if hasattr(args, name)}
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat \
         else {"prompt": args.prompt}
     job = client.submit(**prompt, priority=args.priority, **sampling)
@@ -126,7 +134,7 @@ def read_batch(path: Path, queue: str) -> list[tuple[int, dict[str, Any]]]:
             spec["job_id"] = f"b{digest}-{number}"
             core.new_job(queue, **spec)
         except (ValueError, TypeError) as e:  # ValidationError is a ValueError
-            raise SystemExit(f"{path}:{number}: {e}") from None
+            raise SystemExit(f"{path}:{number}: {explain(e)}") from None
         specs.append((number, spec))
     return specs
 
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return cmd_status(client, args)
     except ValidationError as e:
-        print(f"error: invalid job: {e}", file=sys.stderr)
+        print(f"error: invalid job: {explain(e)}", file=sys.stderr)
         return 2
     except (QueueFull, JobFailed, TimeoutError, redis.RedisError) as e:
         print(f"error: {e}", file=sys.stderr)
