@@ -16,7 +16,7 @@ validated before anything is submitted. Output lines are ``{"line": N, ...JobRes
 the earlier ones). A job's id is ``b{sha256 of the input file}-{line}``, so a rerun of the same
 file resumes: lines already in the output are skipped (a torn last line is dropped), and jobs
 submitted before the interruption are re-attached, not run again (submit is idempotent per id).
-A full queue makes the batch wait and retry, never fail.
+An output written from another input is refused. A full queue makes the batch wait and retry.
 """
 
 import argparse
@@ -139,15 +139,17 @@ def read_batch(path: Path, queue: str) -> list[tuple[int, dict[str, Any]]]:
     return specs
 
 
-def done_lines(path: Path) -> set[int]:
-    """Line numbers already in the output; drops a torn last line left by an interruption."""
+def done_lines(path: Path) -> dict[int, str]:
+    """``{line number: job id}`` already in the output; drops a torn last line left by an
+    interruption."""
     if not path.exists():
-        return set()
+        return {}
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         data = data[: data.rfind(b"\n") + 1]
         path.write_bytes(data)
-    return {json.loads(line)["line"] for line in data.decode().splitlines() if line.strip()}
+    records = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    return {record["line"]: record["id"] for record in records}
 
 
 async def run_batch(client: AsyncClient, todo: list[tuple[int, dict[str, Any]]], out: Any,
@@ -185,6 +187,8 @@ async def run_batch(client: AsyncClient, todo: list[tuple[int, dict[str, Any]]],
 def cmd_batch(url: str, queue: str, args: argparse.Namespace) -> int:
     specs = read_batch(args.input, queue)
     done = done_lines(args.output)
+    if any(done.get(n, spec["job_id"]) != spec["job_id"] for n, spec in specs):
+        raise SystemExit(f"{args.output} holds results of another input: choose another output")
     todo = [(n, spec) for n, spec in specs if n not in done]
     if done:
         print(f"resuming: {len(specs) - len(todo)} of {len(specs)} lines already done",

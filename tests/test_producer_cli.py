@@ -80,7 +80,8 @@ def test_batch_resumes_and_reattaches(redis_url: str, tmp_path: Path) -> None:
     assert main([*args, "--max-in-flight", "2", "--timeout", "0.3"]) == 1
     conn = redis.Redis.from_url(redis_url)
     assert conn.xlen(queue_key("default")) == 2 and output.read_text() == ""
-    output.write_text('{"line": 1, "id": "x", "status": "finished", "outputs": []}\n{"line": 2, "i')
+    first = json.dumps({"line": 1, "id": redis_ids(conn)[0], "status": "finished", "outputs": []})
+    output.write_text(first + '\n{"line": 2, "i')
     worker = FakeWorker(redis_url).start()
     try:
         assert main(args) == 0
@@ -88,9 +89,17 @@ def test_batch_resumes_and_reattaches(redis_url: str, tmp_path: Path) -> None:
         worker.stop()
     out = read_output(output)
     assert [r["line"] for r in out] == [1, 2, 4, 5, 6]  # the torn line 2 was dropped and redone
-    assert out[0]["id"] == "x" and out[1]["outputs"][1]["text"] == " s1t0 s1t1"
+    assert out[0]["outputs"] == [] and out[1]["outputs"][1]["text"] == " s1t0 s1t1"
     assert conn.xlen(queue_key("default")) == 5  # line 2's job was re-attached, not resubmitted
     assert main(args) == 0 and read_output(output) == out  # nothing left to do
+    source.write_text(source.read_text() + '{"prompt": "new"}\n')
+    with pytest.raises(SystemExit, match="results of another input"):
+        main(args)
+
+
+def redis_ids(conn: redis.Redis) -> list[str]:
+    """The ids of the jobs in the default queue's stream, in order."""
+    return [json.loads(f[b"job"])["id"] for _, f in conn.xrange(queue_key("default"))]
 
 
 def test_batch_refuses_a_bad_line_before_submitting(redis_url: str, tmp_path: Path) -> None:
