@@ -9,8 +9,8 @@ Registered from ``tests/conftest.py`` (``pytest_plugins = ["redis_fixtures"]``).
   ``.restart()``).
 - ``redis_server_factory(aof=False)``: more servers; ``aof=True`` turns on the append-only file
   (fsync always) so that ``restart()`` — same port, same dir — keeps the data.
-- ``FakeWorker`` / ``fake_worker``: answers jobs per the wire protocol without an engine, for
-  tests of the producer side.
+- ``make_fake_worker`` / ``fake_worker``: ``FakeWorker``s, which answer jobs per the wire
+  protocol without an engine, for tests of the producer side.
 """
 
 import shutil
@@ -201,8 +201,21 @@ class FakeWorker:
 
 
 @pytest.fixture
-def fake_worker(redis_url: str) -> Iterator[FakeWorker]:
+def make_fake_worker(redis_url: str) -> Iterator[Callable[..., FakeWorker]]:
+    """``make_fake_worker(name=, delay=, queue=)``: FakeWorkers on ``redis_url``, stopped at
+    teardown; each one answers when stepped, or by itself once started."""
+    workers: list[FakeWorker] = []
+
+    def make(**kwargs: object) -> FakeWorker:
+        workers.append(FakeWorker(redis_url, **kwargs))
+        return workers[-1]
+
+    yield make
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+def fake_worker(make_fake_worker: Callable[..., FakeWorker]) -> FakeWorker:
     """A FakeWorker answering the ``default`` queue in a thread."""
-    worker = FakeWorker(redis_url).start()
-    yield worker
-    worker.stop()
+    return make_fake_worker().start()

@@ -1,5 +1,5 @@
 """The producer: wire models, the sync and asyncio clients, against a real redis-server (the
-worker's side played by redis_fixtures.FakeWorker or written by hand)."""
+worker's side played by redis_fixtures' FakeWorker or written by hand)."""
 
 import asyncio
 import json
@@ -10,7 +10,6 @@ import time
 import pytest
 import redis
 from pydantic import ValidationError
-from redis_fixtures import FakeWorker
 
 from producer import AsyncClient, Client, JobFailed, QueueFull, Sampling
 from producer.protocol import (
@@ -26,6 +25,8 @@ from producer.protocol import (
     queue_key,
     results_key,
 )
+
+pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
 
 # (sampling keywords, accepted?) — the engine's SamplingParams must agree on every row
 SAMPLING_TABLE = [
@@ -127,8 +128,8 @@ def test_a_job_id_is_an_idempotency_key(redis_url: str) -> None:
         client.submit_many([{"prompt": "a", "job_id": "d"}, {"prompt": "b", "job_id": "d"}])
 
 
-def test_stream_result_and_status_follow_the_worker(redis_url: str) -> None:
-    client, worker = Client(redis_url), FakeWorker(redis_url)
+def test_stream_result_and_status_follow_the_worker(redis_url: str, make_fake_worker) -> None:
+    client, worker = Client(redis_url), make_fake_worker()
     job = client.submit("hi", n=2, max_tokens=3)
     assert job.status() == "queued"
     assert worker.step()
@@ -176,8 +177,8 @@ def test_timeouts_are_clear(redis_url: str) -> None:
         next(job.stream(timeout=0.2))
 
 
-def test_a_failed_job_raises_job_failed(redis_url: str) -> None:
-    client, worker = Client(redis_url), FakeWorker(redis_url)
+def test_a_failed_job_raises_job_failed(redis_url: str, make_fake_worker) -> None:
+    client, worker = Client(redis_url), make_fake_worker()
     job = client.submit("please FAIL")
     worker.step()
     with pytest.raises(JobFailed, match="invalid_request") as failed:
@@ -188,17 +189,14 @@ def test_a_failed_job_raises_job_failed(redis_url: str) -> None:
     assert job.status() == "failed"
 
 
-def test_cancel_aborts_a_running_job(redis_url: str) -> None:
+def test_cancel_aborts_a_running_job(redis_url: str, make_fake_worker) -> None:
     client = Client(redis_url, cancel_ttl=60)
-    worker = FakeWorker(redis_url, delay=0.2).start()
-    try:
-        job = client.submit("a long one", max_tokens=4)
-        assert next(job.stream(timeout=5)).seq == 0
-        job.cancel()
-        assert 0 < client.redis.ttl(cancel_key(job.id)) <= 60
-        result = job.result(timeout=5)
-    finally:
-        worker.stop()
+    make_fake_worker(delay=0.2).start()
+    job = client.submit("a long one", max_tokens=4)
+    assert next(job.stream(timeout=5)).seq == 0
+    job.cancel()
+    assert 0 < client.redis.ttl(cancel_key(job.id)) <= 60
+    result = job.result(timeout=5)
     assert result.outputs[0].finish_reason == "abort" and len(result.outputs[0].token_ids) < 4
     assert result.status == "canceled" == job.status()
 
@@ -240,8 +238,8 @@ def test_connection_loss_is_retried_and_reads_resume(redis_server_factory) -> No
         Client(server.url, retries=2, backoff_cap=0.05).submit("nobody home")
 
 
-def test_async_client(redis_url: str) -> None:
-    worker = FakeWorker(redis_url, delay=0.05).start()
+def test_async_client(redis_url: str, make_fake_worker) -> None:
+    make_fake_worker(delay=0.05).start()
 
     async def scenario() -> None:
         async with AsyncClient(redis_url, max_queue_len=5) as client:
@@ -262,7 +260,4 @@ def test_async_client(redis_url: str) -> None:
             with pytest.raises(QueueFull):
                 await client.submit_many([{"prompt": str(i)} for i in range(6)])
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        worker.stop()
+    asyncio.run(scenario())

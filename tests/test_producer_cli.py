@@ -1,4 +1,4 @@
-"""The ``pagedq`` CLI against a real redis-server, with redis_fixtures.FakeWorker as the worker."""
+"""The ``pagedq`` CLI against a real redis-server, with redis_fixtures' FakeWorker as the worker."""
 
 import json
 import os
@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_fixtures import FakeWorker
 
 from producer import Sampling
 from producer.cli import SAMPLING_OPTIONS, build_parser, main
 from producer.protocol import cancel_key, queue_key
+
+pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
 
 
 def test_every_sampling_field_has_a_submit_option() -> None:
@@ -24,7 +25,7 @@ def test_every_sampling_field_has_a_submit_option() -> None:
     assert not hasattr(args, "temperature")  # absent options keep SamplingParams' defaults
 
 
-def test_submit_streams_tokens_to_the_terminal(redis_url: str, fake_worker: FakeWorker) -> None:
+def test_submit_streams_tokens_to_the_terminal(redis_url: str, fake_worker) -> None:
     """The console entry point, as a user runs it: text on stdout, job id and usage on stderr."""
     env = {**os.environ, "REDIS_URL": redis_url}
     out = subprocess.run([sys.executable, "-m", "producer.cli", "submit", "Hello", "--max-tokens",
@@ -34,7 +35,7 @@ def test_submit_streams_tokens_to_the_terminal(redis_url: str, fake_worker: Fake
     assert out.stderr.startswith("job ") and "3 completion tokens" in out.stderr
 
 
-def test_submit_several_samples_and_chat(redis_url: str, fake_worker: FakeWorker,
+def test_submit_several_samples_and_chat(redis_url: str, fake_worker,
                                          capsys: pytest.CaptureFixture) -> None:
     assert main(["--redis-url", redis_url, "submit", "hi", "--chat", "--n", "2",
                  "--max-tokens", "2"]) == 0
@@ -59,7 +60,7 @@ def read_output(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_batch_writes_results_in_input_order(redis_url: str, fake_worker: FakeWorker,
+def test_batch_writes_results_in_input_order(redis_url: str, fake_worker,
                                              tmp_path: Path) -> None:
     write_jobs(tmp_path / "in.jsonl")
     assert main(["--redis-url", redis_url, "batch", str(tmp_path / "in.jsonl"), "-o",
@@ -72,7 +73,7 @@ def test_batch_writes_results_in_input_order(redis_url: str, fake_worker: FakeWo
     assert out[4]["outputs"][0]["token_ids"] == [0, 1, 2]
 
 
-def test_batch_resumes_and_reattaches(redis_url: str, tmp_path: Path) -> None:
+def test_batch_resumes_and_reattaches(redis_url: str, make_fake_worker, tmp_path: Path) -> None:
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jobs(source)
     args = ["--redis-url", redis_url, "batch", str(source), "-o", str(output)]
@@ -82,11 +83,8 @@ def test_batch_resumes_and_reattaches(redis_url: str, tmp_path: Path) -> None:
     assert conn.xlen(queue_key("default")) == 2 and output.read_text() == ""
     first = json.dumps({"line": 1, "id": redis_ids(conn)[0], "status": "finished", "outputs": []})
     output.write_text(first + '\n{"line": 2, "i')
-    worker = FakeWorker(redis_url).start()
-    try:
-        assert main(args) == 0
-    finally:
-        worker.stop()
+    make_fake_worker().start()
+    assert main(args) == 0
     out = read_output(output)
     assert [r["line"] for r in out] == [1, 2, 4, 5, 6]  # the torn line 2 was dropped and redone
     assert out[0]["outputs"] == [] and out[1]["outputs"][1]["text"] == " s1t0 s1t1"
@@ -110,8 +108,8 @@ def test_batch_refuses_a_bad_line_before_submitting(redis_url: str, tmp_path: Pa
     assert not redis.Redis.from_url(redis_url).exists(queue_key("default"))
 
 
-def test_cancel_and_status(redis_url: str, capsys: pytest.CaptureFixture) -> None:
-    FakeWorker(redis_url, name="gpu-7")  # registered with the group and RQ, not consuming
+def test_cancel_and_status(redis_url: str, make_fake_worker, capsys: pytest.CaptureFixture) -> None:
+    make_fake_worker(name="gpu-7")  # registered with the group and RQ, not consuming
     assert main(["--redis-url", redis_url, "cancel", "job-1"]) == 0
     assert redis.Redis.from_url(redis_url).ttl(cancel_key("job-1")) > 0
     assert main(["--redis-url", redis_url, "submit", "never answered", "--timeout", "0.2"]) == 1

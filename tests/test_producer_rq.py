@@ -3,7 +3,6 @@
 
 import pytest
 import redis
-from redis_fixtures import FakeWorker
 
 from producer import Client, rq_mirror
 
@@ -19,6 +18,8 @@ from rq.registry import (  # noqa: E402
 )
 from rq.serializers import JSONSerializer  # noqa: E402
 
+pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
+
 
 def counts(conn: redis.Redis) -> dict[str, int]:
     return {"queued": Queue("default", connection=conn).count,
@@ -28,9 +29,9 @@ def counts(conn: redis.Redis) -> dict[str, int]:
 
 
 @pytest.fixture
-def lifecycle(redis_url: str) -> dict[str, str]:
+def lifecycle(redis_url: str, make_fake_worker) -> dict[str, str]:
     """One job in each state: queued, started, finished, failed, canceled."""
-    client, worker = Client(redis_url), FakeWorker(redis_url, name="gpu-0")
+    client, worker = Client(redis_url), make_fake_worker(name="gpu-0")
     ids = {}
     for state, prompt in [("finished", "hello"), ("failed", "FAIL me"), ("canceled", "stop it")]:
         job = client.submit(prompt, n=2, max_tokens=3, job_id=f"{state}-job")
@@ -97,14 +98,15 @@ def test_workers_register_beat_and_leave(redis_url: str) -> None:
     assert Worker.all(connection=conn) == [] and not conn.smembers("rq:workers:default")
 
 
-def test_rq_dashboard_shows_the_mirror(redis_url: str, lifecycle: dict[str, str]) -> None:
+def test_rq_dashboard_shows_the_mirror(redis_url: str, make_fake_worker,
+                                       lifecycle: dict[str, str]) -> None:
     from rq_dashboard import web
     from rq_dashboard.cli import make_flask_app
 
     app = make_flask_app(None, None, None, "")
     app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
     web.setup_rq_connection(app)
-    FakeWorker(redis_url, name="gpu-0")  # registered, as a live worker is
+    make_fake_worker(name="gpu-0")  # registered, as a live worker is
     serializer, web.config.serializer = web.config.serializer, JSONSerializer  # as --json does
     try:
         http = app.test_client()
