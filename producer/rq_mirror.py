@@ -122,21 +122,22 @@ else  -- lag unknown (entries deleted past the group's position): count, up to t
   waiting = #redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+',
                         'COUNT', math.max(max_len, 0) + 1)
 end
-local fresh, new = {}, 0
+local reply, new = {0}, 0  -- reply: waiting after the batch, then 1 (added) or 0 per job
 for j = 1, (#KEYS - 3) / 2 do
-  fresh[j] = redis.call('EXISTS', KEYS[2 + 2 * j], KEYS[3 + 2 * j]) == 0 and 1 or 0
-  new = new + fresh[j]
+  reply[j + 1] = redis.call('EXISTS', KEYS[2 + 2 * j], KEYS[3 + 2 * j]) == 0 and 1 or 0
+  new = new + reply[j + 1]
 end
 if max_len >= 0 and new > 0 and waiting + new > max_len then return {-1, waiting} end
-for j = 1, #fresh do
-  if fresh[j] == 1 then
+for j = 1, #reply - 1 do
+  if reply[j + 1] == 1 then
     redis.call('XADD', stream, '*', ARGV[3], ARGV[2 + 3 * j])
     redis.call('HSET', KEYS[2 + 2 * j], unpack(cjson.decode(ARGV[3 + 3 * j])))
     redis.call('RPUSH', rq_queue, ARGV[1 + 3 * j])
   end
 end
 redis.call('SADD', KEYS[3], rq_queue)
-return {waiting + new, unpack(fresh)}
+reply[1] = waiting + new
+return reply
 """
 
 
