@@ -1,6 +1,7 @@
 """The attention context of the step being run: the model code reads it instead of taking
 block tables as arguments, as nano-vllm does."""
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -26,14 +27,14 @@ class Context:
     prefill_context_lens: torch.Tensor | None = None
 
 
-_CONTEXT: Context | None = None
+_LOCAL = threading.local()  # per thread, so engines in different threads do not mix steps
 
 
 def set_context(context: Context | None) -> None:
-    global _CONTEXT
-    _CONTEXT = context
+    _LOCAL.context = context
 
 
 def get_context() -> Context:
-    assert _CONTEXT is not None, "attention called outside a model runner step"
-    return _CONTEXT
+    context = getattr(_LOCAL, "context", None)
+    assert context is not None, "attention called outside a model runner step"
+    return context
