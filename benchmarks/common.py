@@ -83,11 +83,17 @@ def random_prompt(rng: np.random.Generator, ids: np.ndarray, length: int) -> lis
     return rng.choice(ids, size=length).tolist()
 
 
-def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """Calls `fn` and returns its result and the wall-clock seconds it took."""
-    start = time.perf_counter()
+def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
+    """Calls `fn`; returns its result, the wall-clock seconds and the CPU seconds (every thread
+    of this process) it took. CPU time barely moves when other processes share the cores."""
+    wall, cpu = time.perf_counter(), time.process_time()
     result = fn()
-    return result, time.perf_counter() - start
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def load_average() -> float:
+    """The 1-minute load average: above the thread count, others shared the cores."""
+    return round(os.getloadavg()[0], 2)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

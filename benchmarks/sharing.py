@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
     MODELS,
     OUT_DIR,
     format_table,
+    load_average,
     log,
     model_path,
     random_prompt,
@@ -48,10 +49,12 @@ import numpy as np  # noqa: E402
 class Row:
     system: str
     seconds: float
+    cpu_seconds: float
     output_tokens: int
     kv_blocks_peak: int
     prefix_cache_hits: int
     preemptions: int
+    load: float = field(default_factory=load_average)  # at the end of the run
 
     @property
     def tok_s(self) -> float:
@@ -85,24 +88,29 @@ def run(system: str, path: Path, prompt: list[int], params: list[Any],
     llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=prefix_caching)
     llm.generate([prompt[:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up, on a prefix too short to fill a block
-    outs, seconds = timed(lambda: llm.generate([prompt] * len(params), params, use_tqdm=False))
+    outs, seconds, cpu = timed(lambda: llm.generate([prompt] * len(params), params, use_tqdm=False))
     tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
     expected = sum(p.n * p.max_tokens for p in params)
     if tokens != expected:
         raise RuntimeError(f"{system}: generated {tokens} tokens, expected {expected}")
     stats = llm.stats()
-    return Row(system, seconds, tokens, int(stats["kv_blocks_peak"]),
+    return Row(system, seconds, cpu, tokens, int(stats["kv_blocks_peak"]),
                int(stats["prefix_cache_hits"]), int(stats["preemptions"]))
 
 
 def report(name: str, rows: list[Row], args: argparse.Namespace, threads: int) -> None:
     shared = rows[0]
     table = [[r.system, r.kv_blocks_peak, r.kv_blocks_peak / shared.kv_blocks_peak, r.seconds,
-              r.tok_s, shared.tok_s / r.tok_s, r.prefix_cache_hits] for r in rows]
+              r.tok_s, shared.tok_s / r.tok_s, r.cpu_seconds, r.cpu_seconds / shared.cpu_seconds,
+              r.prefix_cache_hits, r.load] for r in rows]
     print(f"\n== sharing: model={name}, {args.n} samples of a {args.prompt_len}-token prompt, "
           f"{args.max_tokens} tokens each, temperature {args.temperature}, {threads} threads ==")
-    print(format_table(["run", "peak KV blocks", "blocks / shared's", "seconds", "output tok/s",
-                        "shared's tok/s /", "prefix hit tokens"], table))
+    print(format_table(["run", "peak KV blocks", "blocks / shared", "seconds", "output tok/s",
+                        "shared x", "cpu s", "shared x (cpu)", "prefix hit tokens", "load"],
+                       table))
+    print(f"blocks / shared: the row's peak over the shared run's; shared x: the shared run's "
+          f"tok/s over the row's; (cpu): the same in CPU seconds; load: 1-min load average "
+          f"after the run (> {threads}: shared cores)")
     write_json(OUT_DIR / f"sharing-{name}.json", {
         "model": name, "args": vars(args), "threads": threads,
         "rows": [asdict(r) | {"tok_s": r.tok_s} for r in rows],

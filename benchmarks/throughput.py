@@ -34,6 +34,7 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
     MODELS,
     OUT_DIR,
     format_table,
+    load_average,
     log,
     model_path,
     random_prompt,
@@ -71,12 +72,18 @@ class Workload:
 class Result:
     system: str
     seconds: float
+    cpu_seconds: float
     output_tokens: int
     extra: dict[str, Any] = field(default_factory=dict)
+    load: float = field(default_factory=load_average)  # at the end of the run
 
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    @property
+    def tok_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,13 +129,13 @@ def run_pagedq(path: Path, wl: Workload) -> tuple[Result, list[list[int]]]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
-    outs, seconds = timed(lambda: llm.generate(wl.prompts, params))
+    outs, seconds, cpu = timed(lambda: llm.generate(wl.prompts, params))
     tokens = [o.outputs[0].token_ids for o in outs]
     _check_lengths("pagedq", tokens, wl.output_lens)
     stats = llm.stats()
     extra = {k: stats[k] for k in ("kv_blocks_peak", "kv_blocks_total", "kv_utilization_at_peak",
                                    "preemptions", "prefix_cache_hits")}
-    return Result("pagedq", seconds, sum(map(len, tokens)), extra), tokens
+    return Result("pagedq", seconds, cpu, sum(map(len, tokens)), extra), tokens
 
 
 def _check_lengths(system: str, tokens: list[list[int]], expected: list[int]) -> None:
@@ -179,9 +186,9 @@ def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, li
             log(f"hf-static B={batch_size}: {len(tokens)}/{len(wl.prompts)} requests")
         return tokens
 
-    tokens, seconds = timed(run)
+    tokens, seconds, cpu = timed(run)
     _check_lengths(f"hf-static B={batch_size}", tokens, wl.output_lens)
-    return Result(f"hf-static B={batch_size}", seconds, wl.output_tokens), tokens
+    return Result(f"hf-static B={batch_size}", seconds, cpu, wl.output_tokens), tokens
 
 
 def _cb_config(wl: Workload) -> Any:
@@ -205,10 +212,10 @@ def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
     with model.continuous_batching_context_manager(
             generation_config=gen_config, continuous_batching_config=_cb_config(wl),
             warmup=False) as manager:
-        results, seconds = timed(lambda: _cb_generate(manager, wl))
+        results, seconds, cpu = timed(lambda: _cb_generate(manager, wl))
     tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(wl.prompts))]
     _check_lengths("hf-cb", tokens, wl.output_lens)
-    return Result("hf-cb", seconds, sum(map(len, tokens))), tokens
+    return Result("hf-cb", seconds, cpu, sum(map(len, tokens))), tokens
 
 
 def _cb_generate(manager: Any, wl: Workload) -> dict[str, Any]:
@@ -245,11 +252,16 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | 
 def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any],
            args: argparse.Namespace, threads: int) -> None:
     ours = results[0]
-    rows = [[r.system, r.seconds, r.tok_s, ours.tok_s / r.tok_s] for r in results]
+    rows = [[r.system, r.seconds, r.tok_s, ours.tok_s / r.tok_s, r.cpu_seconds, r.tok_cpu_s,
+             ours.tok_cpu_s / r.tok_cpu_s, r.load] for r in results]
     static = [r for r in results if r.system.startswith("hf-static")]
     print(f"\n== throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} prompt "
           f"+ {wl.output_tokens} output tokens, {threads} threads ==")
-    print(format_table(["system", "seconds", "output tok/s", "pagedq speed-up"], rows))
+    print(format_table(["system", "seconds", "output tok/s", "pagedq x", "cpu s", "tok/cpu-s",
+                        "pagedq x (cpu)", "load"], rows))
+    print(f"pagedq x: pagedq's tok/s over the row's; (cpu): the same per CPU-second, steadier "
+          f"when others share the cores; load: 1-min load average after the run (> {threads}: "
+          f"shared)")
     if static:
         best = max(static, key=lambda r: r.tok_s)
         print(f"best hf-static: {best.system} -> pagedq x{ours.tok_s / best.tok_s:.2f}")
@@ -263,7 +275,9 @@ def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any
         "model": name, "args": {k: v for k, v in vars(args).items()}, "threads": threads,
         "num_requests": len(wl.prompts), "prompt_tokens": wl.prompt_tokens,
         "output_tokens": wl.output_tokens,
-        "results": [asdict(r) | {"tok_s": r.tok_s, "pagedq_ratio": ours.tok_s / r.tok_s}
+        "results": [asdict(r) | {"tok_s": r.tok_s, "pagedq_ratio": ours.tok_s / r.tok_s,
+                                 "tok_cpu_s": r.tok_cpu_s,
+                                 "pagedq_cpu_ratio": ours.tok_cpu_s / r.tok_cpu_s}
                     for r in results],
         "greedy_agreement_first_diff": checks,
     })
