@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from producer import Client, Job
 from producer.core import decode_entries, new_job
 from producer.protocol import Chunk, Done, End, Error, Event, cancel_key, results_key
+from producer.rq_mirror import worker_key
 from worker.config import Settings
 from worker.driver import prompt_token_ids
 from worker.service import Worker
@@ -51,6 +52,7 @@ def serving(url: str, model: Path, name: str = "w1", **overrides: Any) -> Iterat
     thread = threading.Thread(target=worker.run, name=name, daemon=True)
     thread.start()
     try:
+        wait_for(lambda: worker.conn.exists(worker_key(name)), what=f"worker {name} to start")
         yield worker
     finally:
         worker.stop()
