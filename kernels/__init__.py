@@ -1,17 +1,22 @@
-"""Attention and cache ops behind one dispatch point.
+"""Attention, cache, norm and rotary ops behind one dispatch point.
 
 ``backend`` is ``"torch"`` (the reference ops), ``"triton"`` or ``None``: pick by device, Triton
-on CUDA where a Triton build of the op exists, the torch reference otherwise.
+on CUDA where Triton is installed, the torch reference otherwise. On CPU tensors the Triton ops
+run only under ``TRITON_INTERPRET=1`` (how the tests check them without a GPU).
 """
 
+import importlib
+import importlib.util
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 
-from kernels import reference
-
-_BACKENDS: dict[str, ModuleType] = {"torch": reference}
+# backend -> module, imported on first use. Not even triton is imported here: its own
+# ``@triton.jit`` library functions pick the interpreter (TRITON_INTERPRET) when triton is
+# imported, and the kernel tests set that after the engine (and so ``kernels``) is imported.
+_BACKENDS: dict[str, str] = {"torch": "kernels.reference"}
+if importlib.util.find_spec("triton") is not None:  # CPU-only installs may lack it
+    _BACKENDS["triton"] = "kernels.triton_ops"
 
 
 def _resolve(name: str, device: torch.device, backend: str | None) -> Callable:
@@ -20,7 +25,7 @@ def _resolve(name: str, device: torch.device, backend: str | None) -> Callable:
     if backend not in _BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not available; "
                          f"have {sorted(_BACKENDS)}")
-    return getattr(_BACKENDS[backend], name)
+    return getattr(importlib.import_module(_BACKENDS[backend]), name)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -47,3 +52,15 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor,
                 backend: str | None = None) -> None:
     _resolve("copy_blocks", block_mapping.device, backend)(caches, block_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _resolve("rms_norm", x.device, backend)(x, weight, eps, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor,
+           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _resolve("rotary", q.device, backend)(q, k, cos, sin, positions)

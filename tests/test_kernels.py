@@ -1,0 +1,260 @@
+"""Each Triton op against its torch reference on fresh random inputs.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter, with small shapes;
+with one, the same checks run compiled, plus ``TestCuda``'s large shapes. Caches and outputs
+start as NaN: a kernel that reads a slot it should not, or leaves a row unwritten, shows.
+"""
+
+import math
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    # @triton.jit, on triton's own library functions too, picks the interpreter when it
+    # decorates, and transformers (through torch._dynamo) imported triton before this module
+    # ran: import its Python modules afresh (the compiled extension stays).
+    for name in [n for n in sys.modules if n.split(".")[0] == "triton"]:
+        if not name.startswith("triton._C"):
+            del sys.modules[name]
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import reference, triton_ops  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Attention tolerances against an fp32 reference: the kernels round P to the dtype for P @ V.
+ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+NAN = float("nan")
+# The interpreter rounds fp32 to bf16 by truncation, not to nearest: allow it some ulps.
+BF16_ULPS = 0 if CUDA else 4
+
+
+def _name(value: object) -> str | None:
+    """Test ids: dtypes by their short name, the rest as pytest names them."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+def _ulps(dtype: torch.dtype, n: float) -> dict[str, float]:
+    """``assert_close`` tolerances of ``n`` units in the last place of ``dtype``."""
+    if dtype == torch.bfloat16:
+        n += BF16_ULPS
+    eps = torch.finfo(dtype).eps
+    return {"atol": n * eps, "rtol": n * eps}
+
+
+def _gen(*key: object) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def _paged(gen: torch.Generator, ctx_lens: list[int], num_kv_heads: int, head_dim: int,
+           block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A NaN pool holding each sequence's KV in shuffled blocks. Block 0 (the tables' padding)
+    and every slot past a context stay NaN. Returns k, v, block tables, context lengths."""
+    counts = [math.ceil(c / block_size) for c in ctx_lens]
+    num_blocks = sum(counts) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k, v = (torch.full(shape, NAN, dtype=dtype, device=DEVICE) for _ in range(2))
+    tables = torch.zeros(len(ctx_lens), max(counts), dtype=torch.int32)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    for i, (ctx, n) in enumerate(zip(ctx_lens, counts, strict=True)):
+        blocks, perm = perm[:n], perm[n:]
+        tables[i, :n] = torch.tensor(blocks)
+        slots = torch.arange(ctx)
+        where = (torch.tensor(blocks)[slots // block_size], slots % block_size)
+        k[where] = _randn(gen, ctx, num_kv_heads, head_dim, dtype=dtype)
+        v[where] = _randn(gen, ctx, num_kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    return k, v, tables.to(DEVICE), lens
+
+
+def _clean(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """fp32 copies with NaN as 0: the reference gathers whole blocks, and 0 * NaN is NaN."""
+    return [t.float().nan_to_num() for t in ts]
+
+
+def _check_decode(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
+                  block_size: int, ctx_lens: list[int], splits: list[int | None]) -> None:
+    gen = _gen("decode", dtype, group, head_dim, block_size, len(ctx_lens))
+    k, v, tables, lens = _paged(gen, ctx_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = _randn(gen, len(ctx_lens), num_kv_heads * group, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    expected = reference.paged_attention_decode(*_clean(q, k, v), tables, lens, scale)
+    for num_splits in splits:
+        out = torch.full_like(q, NAN)
+        triton_ops.paged_attention_decode(q, k, v, tables, lens, scale, num_splits=num_splits,
+                                          out=out)
+        assert out.isfinite().all(), f"NaN with num_splits={num_splits}"
+        torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+def _check_prefill(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, seqs: list[tuple[int, int]]) -> None:
+    """``seqs``: (new tokens, context length) per sequence; the rest of a context is prefix."""
+    gen = _gen("prefill", dtype, group, head_dim, block_size, len(seqs))
+    k, v, tables, lens = _paged(gen, [c for _, c in seqs], num_kv_heads, head_dim, block_size,
+                                dtype)
+    cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEVICE, torch.int32)
+    q = _randn(gen, int(cu[-1]), num_kv_heads * group, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    expected = reference.paged_attention_prefill(*_clean(q, k, v), cu, tables, lens, scale)
+    out = torch.full_like(q, NAN)
+    triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+def _check_store(dtype: torch.dtype, num_tokens: int, num_heads: int, head_dim: int,
+                 block_size: int, num_blocks: int) -> None:
+    gen = _gen("store", dtype, num_tokens, head_dim, block_size)
+    # key as a strided view, as the engine's come out of the fused qkv matmul
+    key = _randn(gen, num_tokens, 2 * num_heads, head_dim, dtype=dtype)[:, :num_heads]
+    value = _randn(gen, num_tokens, num_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::4] = -1  # skipped
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_heads, head_dim)
+    k, v = (torch.full(shape, NAN, dtype=dtype, device=DEVICE) for _ in range(2))
+    k_ref, v_ref = k.clone(), v.clone()
+    reference.store_kvcache(key, value, k_ref, v_ref, slots)
+    triton_ops.store_kvcache(key, value, k, v, slots)
+    torch.testing.assert_close(k, k_ref, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v, v_ref, equal_nan=True, atol=0, rtol=0)
+    assert k.isfinite().sum() == (slots >= 0).sum() * num_heads * head_dim
+
+
+def _check_copy(dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int,
+                num_heads: int, head_dim: int, num_pairs: int) -> None:
+    gen = _gen("copy", dtype, num_blocks, block_size)
+    pool = _randn(gen, 2, num_layers, num_blocks, block_size, num_heads, head_dim, dtype=dtype)
+    blocks = torch.randperm(num_blocks, generator=gen)[: 2 * num_pairs]
+    mapping = blocks.view(2, num_pairs).t().contiguous().to(DEVICE)  # disjoint src and dst
+    expected = pool.clone()
+    reference.copy_blocks(list(expected.flatten(0, 1)), mapping)
+    triton_ops.copy_blocks(list(pool.flatten(0, 1)), mapping)
+    assert torch.equal(pool, expected)
+
+
+def _check_rms_norm(dtype: torch.dtype, rows: int, hidden: int, with_residual: bool) -> None:
+    gen = _gen("rms", dtype, rows, hidden, with_residual)
+    x = _randn(gen, rows, hidden, dtype=dtype)
+    residual = _randn(gen, rows, hidden, dtype=dtype) if with_residual else None
+    weight = (1 + 0.1 * _randn(gen, hidden)).to(dtype)
+    out, new_res = triton_ops.rms_norm(x, weight, 1e-6, residual)
+    ref_out, ref_res = reference.rms_norm(x, weight, 1e-6, residual)
+    assert out.isfinite().all() and out.dtype == ref_out.dtype
+    torch.testing.assert_close(new_res, ref_res, **_ulps(dtype, 0))
+    # fp32 sums in another order may move a rounding by a unit of the dtype
+    torch.testing.assert_close(out, ref_out, **_ulps(dtype, 3))
+
+
+def _check_rotary(dtype: torch.dtype, num_tokens: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, max_positions: int) -> None:
+    gen = _gen("rotary", dtype, num_tokens, num_heads, head_dim)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE)
+    qkv = _randn(gen, num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads]  # strided views
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen).to(DEVICE)
+    q_out, k_out = triton_ops.rotary(q, k, emb.cos(), emb.sin(), positions)
+    q_ref, k_ref = reference.rotary(q, k, emb.cos(), emb.sin(), positions)
+    torch.testing.assert_close(q_out, q_ref, **_ulps(dtype, 0))
+    torch.testing.assert_close(k_out, k_ref, **_ulps(dtype, 0))
+
+
+# Every dtype with every GQA ratio, each pair on one of the (head_dim, block_size) shapes in
+# turn, so that every dtype and every ratio meets both (the full product triples the time).
+SHAPES = [(64, 16), (128, 32)]
+ATTENTION_CASES = [
+    pytest.param(dtype, group, d, bs, id=f"{_name(dtype)}-gqa{group}-d{d}-bs{bs}")
+    for i, dtype in enumerate(DTYPES) for j, group in enumerate([1, 3, 8])
+    for d, bs in [SHAPES[(i + j) % 2]]]
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,block_size", ATTENTION_CASES)
+def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> None:
+    bs = block_size  # lengths of 1 and at block boundaries; 3 splits leave empty ones
+    _check_decode(dtype, group, 2, head_dim, bs, [1, bs, bs + 1, 2 * bs, 3 * bs - 1],
+                  [None, 3])
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,block_size", ATTENTION_CASES)
+def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> None:
+    bs = block_size  # no prefix, one token after a prefix, chunks ending and starting on
+    _check_prefill(dtype, group, 2 if group < 8 else 1, head_dim, bs,  # block boundaries
+                   [(bs, bs), (1, bs + 1), (5, 2 * bs), (bs + 3, 2 * bs + 3), (21, 21)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("num_heads,head_dim,block_size", [(2, 64, 16), (3, 128, 32)])
+def test_store_kvcache(dtype: torch.dtype, num_heads: int, head_dim: int,
+                       block_size: int) -> None:
+    _check_store(dtype, 2 * block_size + 3, num_heads, head_dim, block_size, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_copy_blocks(dtype: torch.dtype, block_size: int) -> None:
+    _check_copy(dtype, 2, 8, block_size, 2, 64, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("hidden,with_residual", [(64, False), (96, True)])
+def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    _check_rms_norm(dtype, 5, hidden, with_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
+def test_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    _check_rotary(dtype, 7, num_heads, num_kv_heads, head_dim, 50)
+
+
+def test_dispatch() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert kernels._resolve("rotary", cpu, None) is reference.rotary
+    assert kernels._resolve("rotary", cuda, None) is triton_ops.rotary
+    assert kernels._resolve("copy_blocks", cpu, "triton") is triton_ops.copy_blocks
+    with pytest.raises(ValueError, match="not available"):
+        kernels._resolve("rotary", cpu, "cutlass")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+class TestCuda:
+    """Engine-sized shapes, compiled."""
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+    @pytest.mark.parametrize("group", [1, 4, 8])
+    def test_decode(self, dtype: torch.dtype, group: int) -> None:
+        lens = torch.randint(1, 4096, (40,), generator=_gen(group)).tolist()
+        _check_decode(dtype, group, 8, 128, 16, lens + [1, 16, 4096], [None, 1, 8])
+        # few programs, long contexts: the heuristic splits
+        _check_decode(dtype, group, 8, 128, 32, [32768, 17, 20001], [None])
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+    @pytest.mark.parametrize("group", [1, 4, 8])
+    def test_prefill(self, dtype: torch.dtype, group: int) -> None:
+        seqs = [(1024, 1024), (1, 2049), (512, 4096), (333, 1000), (2048, 2048), (64, 64)]
+        _check_prefill(dtype, group, 8, 128, 16, seqs)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+    def test_cache_ops(self, dtype: torch.dtype) -> None:
+        _check_store(dtype, 4096, 8, 128, 16, 512)
+        _check_copy(dtype, 8, 256, 16, 8, 128, 64)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+    def test_norm_and_rotary(self, dtype: torch.dtype) -> None:
+        _check_rms_norm(dtype, 4096, 4096, True)
+        _check_rms_norm(dtype, 1000, 2048, False)
+        _check_rotary(dtype, 4096, 32, 8, 128, 8192)
