@@ -18,7 +18,7 @@ install: $(PY)
 	$(PY) -c "from engine.default_model import default_model_path; default_model_path()"
 
 run: install
-	$(PY) -m engine
+	$(PY) -m worker.demo
 
 test: install
 	$(PY) -m pytest -q
