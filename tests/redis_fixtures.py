@@ -13,9 +13,6 @@ Registered from ``tests/conftest.py`` (``pytest_plugins = ["redis_fixtures"]``).
   protocol without an engine, for tests of the producer side.
 """
 
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,54 +34,7 @@ from producer.protocol import (
     queue_key,
     results_key,
 )
-
-REDIS_SERVER = shutil.which("redis-server") or "redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self, directory: Path, aof: bool = False) -> None:
-        self.directory = directory
-        self.aof = aof
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> None:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.directory), "--save", "", "--daemonize", "no",
-                "--appendonly", "yes" if self.aof else "no", "--appendfsync", "always"]
-        with open(self.directory / "redis.log", "ab") as log:  # the child keeps its own copy
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
-                return
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    tail = (self.directory / "redis.log").read_text()[-2000:]
-                    raise RuntimeError(f"redis-server did not start:\n{tail}") from None
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # like a crash: only what the AOF holds survives
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+from worker.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -94,10 +44,9 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
     def make(aof: bool = False) -> RedisServer:
         directory = tmp_path / f"redis{len(servers)}"
         directory.mkdir()
-        server = RedisServer(directory, aof=aof)
+        server = RedisServer(data_dir=directory, appendonly=aof)
         servers.append(server)
-        server.start()
-        return server
+        return server.start()
 
     yield make
     for server in servers:

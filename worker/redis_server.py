@@ -44,23 +44,27 @@ class RedisServer:
                 "yes" if self.appendonly else "no", "--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        log = self.data_dir / "redis.log"
+        with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                redis.Redis.from_url(self.url).ping()
+                redis.Redis.from_url(self.url, socket_timeout=1).ping()
                 return self
             except redis.ConnectionError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on port {self.port}:\n"
+                                       f"{log.read_text()[-2000:]}") from None
+                time.sleep(0.02)
 
     def stop(self) -> None:
-        if self.process is not None:
+        """Kills it, like a crash: only what the append-only file holds survives."""
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
-            self.process.wait()
-            self.process = None
+            self.process.wait(timeout=10)
+        self.process = None
 
     def restart(self) -> None:
         self.stop()
