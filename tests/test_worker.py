@@ -20,8 +20,10 @@ from producer import Client, Job
 from producer.core import decode_entries, new_job
 from producer.protocol import Chunk, Done, End, Error, Event, cancel_key, results_key
 from producer.rq_mirror import worker_key
-from worker.config import Settings
+from worker.config import Settings, parse_args
+from worker.connection import connect
 from worker.driver import prompt_token_ids
+from worker.publisher import Batch, Publisher
 from worker.service import Worker
 
 pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
@@ -175,3 +177,38 @@ def test_deadline_ends_the_job(redis_url, tiny_llama) -> None:
     assert [o.finish_reason for o in done_past.outputs] == ["deadline"] * 3
     assert done_soon.outputs[0].finish_reason == "deadline"
     assert 0 < len(done_soon.outputs[0].token_ids) < 2000
+
+
+def test_publisher_fence_applies_a_resent_write_once(redis_url, monkeypatch) -> None:
+    publisher = Publisher(connect(redis_url), QUEUE, 60, give_up=lambda: False)
+    execute, lost = redis.client.Pipeline.execute, []
+
+    def lose_first_reply(pipe: redis.client.Pipeline, **kwargs: Any) -> list:
+        reply = execute(pipe, **kwargs)
+        if not lost:
+            lost.append(reply)
+            raise redis.ConnectionError("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", lose_first_reply)
+    batch = Batch()
+    for seq in range(2):
+        batch.event("j", seq, Chunk(sample=0, seq=seq, text="x", token_ids=[seq]))
+    assert not publisher.flush(batch, []).superseded  # applied, then re-sent: a no-op
+    assert lost and [e.seq for e in events_of(publisher.conn, "j")] == [0, 1]
+    stale = Batch()  # a stalled worker that missed a peer's write
+    stale.event("j", 1, Chunk(sample=0, seq=1, text="y", token_ids=[9]))
+    assert publisher.flush(stale, []).superseded == {"j"}
+    assert [e.seq for e in events_of(publisher.conn, "j")] == [0, 1]
+    assert publisher.conn.ttl(results_key("j")) > 0
+
+
+def test_flags_override_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDQ_QUEUE", "from-env")
+    monkeypatch.setenv("PAGEDQ_MAX_NUM_SEQS", "7")
+    s = parse_args(["--queue", "from-flag", "--redis-url", "rediss://:secret@host:6380/1"])
+    assert (s.queue, s.max_num_seqs, s.redis_url) == ("from-flag", 7,
+                                                      "rediss://:secret@host:6380/1")
+    assert s.engine_config().max_num_seqs == 7
+    with pytest.raises(ValueError, match="redis_url"):
+        parse_args(["--redis-url", "http://host"])

@@ -103,7 +103,7 @@ def test_kill_9_mid_generation_a_peer_finishes_every_job(redis_url, tiny_llama) 
 def test_stop_finishes_in_flight_jobs_within_the_grace_period(redis_url, tiny_llama) -> None:
     client = Client(redis_url, queue=QUEUE)
     worker = spawn(redis_url, tiny_llama, "polite", "--grace-period", "30")
-    handles = client.submit_many(long_specs(4, max_tokens=300))
+    handles = client.submit_many(long_specs(4, max_tokens=200))
     wait_for(lambda: all(chunks_in(client.redis, h.id) for h in handles), what="jobs running")
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0
@@ -133,7 +133,7 @@ def test_past_the_grace_period_jobs_stay_pending_for_a_peer(redis_url, tiny_llam
 
 def test_redis_restart_loses_no_job(redis_server_factory, tiny_llama) -> None:
     server = redis_server_factory(aof=True)
-    specs = long_specs(8, max_tokens=400)
+    specs = long_specs(8, max_tokens=250)
     expected = reference(tiny_llama, [new_job(QUEUE, **spec) for spec in specs])
     client = Client(server.url, queue=QUEUE)
     with serving(server.url, tiny_llama):

@@ -2,9 +2,10 @@
 acknowledgements, the RQ mirror's transitions, and the check for cancellations.
 
 Each job's events are appended by a Lua script only if the job's result stream still holds
-exactly as many events as this worker last saw (a fence): so a write re-sent after a lost
-reply is applied once, and of two workers that both think they own a job (one stalled past
-the reclaim time) only one continues its stream; the other learns it was superseded.
+exactly as many events as this worker last saw (a fence): of two workers that both think they
+own a job (one stalled past the reclaim time) only one continues its stream; the other learns
+it was superseded. A write re-sent after a lost reply counts as done when the stream already
+holds it (its length then is the expected one plus the write's events), so it lands once.
 """
 
 from collections.abc import Callable, Iterable
@@ -29,11 +30,12 @@ from worker.connection import retry
 
 log = structlog.get_logger()
 
-# KEYS: the job stream, then one result stream per job. ARGV: the group, the result TTL, then
-# per job: the stream's expected length, the number of events, the entry to XACK ('' for
-# none), the events. Returns per job 1 (written, now or by an earlier try) or 0 (superseded).
+# KEYS: the job stream, then one result stream per job. ARGV: the group, the result TTL,
+# whether this is a re-send ('1') or not ('0'), then per job: the stream's expected length, the
+# number of events, the entry to XACK ('' for none), the events. Returns per job 1 (written,
+# now or by an earlier try) or 0 (superseded).
 _APPEND = f"""
-local i, status = 3, {{}}
+local i, status, resent = 4, {{}}, ARGV[3] == '1'
 for k = 2, #KEYS do
   local start, count, ack = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
   local have = redis.call('XLEN', KEYS[k])
@@ -44,7 +46,7 @@ for k = 2, #KEYS do
     redis.call('EXPIRE', KEYS[k], ARGV[2])
     if ack ~= '' then redis.pcall('XACK', KEYS[1], ARGV[1], ack) end
     status[k - 1] = 1
-  elseif have == start + count then
+  elseif resent and have == start + count then
     status[k - 1] = 1
   else
     status[k - 1] = 0
@@ -104,11 +106,14 @@ class Publisher:
         transaction; re-sent until Redis answers (the fence makes that safe)."""
         watch = list(watch)
         job_ids = list(batch.appends)
+        tries = 0
 
         def send() -> list:
+            nonlocal tries
+            tries += 1
             pipe = self.conn.pipeline(transaction=True)
             if job_ids:
-                args: list[str | int] = [GROUP, self.result_ttl]
+                args: list[str | int] = [GROUP, self.result_ttl, int(tries > 1)]
                 for append in batch.appends.values():
                     args += [append.start, len(append.events), append.ack, *append.events]
                 pipe.eval(_APPEND, 1 + len(job_ids), queue_key(self.queue),

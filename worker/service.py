@@ -48,8 +48,7 @@ class Worker:
         acknowledged) for a peer to reclaim."""
         try:
             self.consumer.ensure_group()
-            retry(lambda: rq_mirror.register_worker(self.conn, self.name, [self.consumer.queue],
-                                                    WORKER_TTL_S), "register", self._past_grace)
+            self._register()
             self.log.info("worker ready", max_num_seqs=self.engine.config.max_num_seqs)
             while not self._past_grace() and (
                     self._stop_at is None or self.driver.jobs or self._batch):
@@ -66,12 +65,21 @@ class Worker:
                 self.log.warning("could not unregister from RQ: redis unavailable")
             self.log.info("worker stopped")
 
+    def _register(self) -> None:
+        retry(lambda: rq_mirror.register_worker(self.conn, self.name, [self.consumer.queue],
+                                                WORKER_TTL_S), "register", self._past_grace)
+
+    def _heartbeat(self) -> None:
+        state = "busy" if self.driver.jobs else "idle"
+        if not retry(lambda: rq_mirror.heartbeat(self.conn, self.name, WORKER_TTL_S, state),
+                     "heartbeat", self._past_grace):
+            self._register()  # the record expired (a long stall, or Redis lost its data)
+
     def _tick(self) -> None:
         now = time.monotonic()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + HEARTBEAT_S
-            retry(lambda: rq_mirror.heartbeat(self.conn, self.name, WORKER_TTL_S), "heartbeat",
-                  self._past_grace)
+            self._heartbeat()
         taking = self._stop_at is None
         free = self.driver.free_slots() if taking else 0
         deliveries: list[Delivery] = []
