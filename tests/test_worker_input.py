@@ -7,8 +7,9 @@ import pytest
 from rq.registry import FailedJobRegistry
 from test_worker import QUEUE, events_of, one_torch_thread, serving  # noqa: F401
 
-from producer import Client, JobFailed
+from producer import Client, Job, JobFailed
 from producer.protocol import JOB_FIELD, Error, queue_key
+from worker import driver
 
 pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
 
@@ -88,3 +89,29 @@ def test_malformed_jobs_fail_alone(redis_url, tiny_llama) -> None:
     assert registry.count == len(failed)
     assert set(registry.get_job_ids()) == set(failed)
     assert client.stats()["pending"] == 0
+
+
+def test_unexpected_errors_fail_the_job_not_the_worker(redis_url, tiny_llama,
+                                                        monkeypatch) -> None:
+    client = Client(redis_url, queue=QUEUE)
+    render = driver.prompt_token_ids
+
+    def render_or_explode(tokenizer: object, job: Job) -> list[int]:
+        if job.prompt == "boom":
+            raise RuntimeError("the tokenizer exploded")
+        return render(tokenizer, job)
+
+    monkeypatch.setattr(driver, "prompt_token_ids", render_or_explode)
+    with serving(redis_url, tiny_llama) as worker:
+        with pytest.raises(JobFailed, match="exploded") as info:
+            client.submit("boom").result(timeout=10)
+        assert info.value.code == "internal"
+
+        def fault_once() -> None:
+            del worker.engine.step  # the next step is the engine's own again
+            raise RuntimeError("kernel fault")
+
+        worker.engine.step = fault_once
+        with pytest.raises(JobFailed, match="kernel fault"):
+            client.submit("unlucky", max_tokens=50).result(timeout=10)
+        assert client.submit("fine", max_tokens=5).result(timeout=10).status == "finished"

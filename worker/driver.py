@@ -89,17 +89,20 @@ class Driver:
             elif d.deliveries > self.max_deliveries:
                 reason = f"delivered {d.deliveries} times (max_deliveries={self.max_deliveries})"
                 batch.call(lambda p, d=d, r=reason: self.consumer.dead_letter(p, d, r))
-                self._fail(d, "dead_letter", reason, batch, bound)
+                self._fail(d.job_id, d.entry_id, d.written, "dead_letter", reason, batch, bound)
             elif d.invalid:
-                self._fail(d, "invalid_job", d.invalid, batch, bound)
+                self._fail(d.job_id, d.entry_id, d.written, "invalid_job", d.invalid, batch,
+                           bound)
             else:
                 try:
                     self._start(d, batch, bound)
                 except ValueError as exc:  # the engine's or SamplingParams' refusal
-                    self._fail(d, "invalid_request", str(exc), batch, bound)
+                    self._fail(d.job_id, d.entry_id, d.written, "invalid_request", str(exc),
+                               batch, bound)
                 except Exception as exc:  # a bug must fail the job, not the worker
-                    bound.exception("job failed")
-                    self._fail(d, "internal", f"{type(exc).__name__}: {exc}", batch, bound)
+                    bound.exception("unexpected error starting the job")
+                    self._fail(d.job_id, d.entry_id, d.written, "internal",
+                               f"{type(exc).__name__}: {exc}", batch, bound)
 
     def _start(self, d: Delivery, batch: Batch, bound: Any) -> None:
         job = d.job
@@ -120,23 +123,24 @@ class Driver:
         bound.info("job started", prompt_tokens=len(ids), n=n,
                    resumed=resume is not None and any(state.tokens))
 
-    def _fail(self, d: Delivery, code: str, message: str, batch: Batch, bound: Any) -> None:
-        """Ends the job with an ``error`` event (acknowledging it) and a failed RQ record."""
+    def _fail(self, job_id: str, entry_id: str, start: int, code: str, message: str,
+              batch: Batch, bound: Any) -> None:
+        """Ends the job with an ``error`` event (after the ``start`` events its stream holds),
+        acknowledging its entry, and a failed RQ record."""
         bound.warning("job failed", code=code, message=message)
-        batch.event(d.job_id, d.written, Error(code=code, message=message), ack=d.entry_id)
-        batch.call(lambda p: rq_mirror.mark_failed(p, d.job_id, self.queue,
-                                                   f"{code}: {message}"))
+        batch.event(job_id, start, Error(code=code, message=message), ack=entry_id)
+        batch.call(lambda p: rq_mirror.mark_failed(p, job_id, self.queue, f"{code}: {message}"))
 
     def step(self, batch: Batch) -> None:
         try:
             deltas = self.engine.step()
         except Exception as exc:  # cannot tell whose request broke it: fail them all
             log.exception("engine step failed")
-            for job_id in list(self.jobs):
+            for job_id, state in list(self.jobs.items()):
                 self.engine.abort(job_id)
-                state = self.jobs.pop(job_id)
-                d = Delivery(state.entry_id, None, False, job_id=job_id, written=state.written)
-                self._fail(d, "internal", f"{type(exc).__name__}: {exc}", batch, state.log)
+                del self.jobs[job_id]
+                self._fail(job_id, state.entry_id, state.written, "internal",
+                           f"{type(exc).__name__}: {exc}", batch, state.log)
             return
         for delta in deltas:
             state = self.jobs[delta.request_id]

@@ -76,7 +76,7 @@ class Batch:
         """Append ``event`` to the job's result stream, ``start`` being the number of events
         before it; ``ack``: the job's entry, acknowledged once this event is written."""
         append = self.appends.setdefault(job_id, _Append(start))
-        append.events.append(event.model_dump_json(exclude_none=True))
+        append.events.append(event.model_dump_json())
         append.ack = append.ack or ack
 
     def call(self, add: Callable[[Pipeline], object]) -> None:
