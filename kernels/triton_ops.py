@@ -58,7 +58,7 @@ def _copy_kernel(ptr_table, map_ptr, like_ptr, s_blk, block_numel, CHUNK: tl.con
     pair, c, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     src = tl.load(map_ptr + 2 * pair)
     dst = tl.load(map_ptr + 2 * pair + 1)
-    base = tl.load(ptr_table + c).to(like_ptr.dtype, bitcast=True)
+    base = tl.load(ptr_table + c).to(like_ptr.dtype)  # int64 -> pointer
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offs < block_numel
     tl.store(base + dst * s_blk + offs, tl.load(base + src * s_blk + offs, mask=mask),

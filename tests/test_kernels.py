@@ -9,6 +9,8 @@ import math
 import os
 import sys
 import zlib
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,19 +18,19 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
-    # @triton.jit, on triton's own library functions too, picks the interpreter when it
-    # decorates, and transformers (through torch._dynamo) imported triton before this module
-    # ran: import its Python modules afresh (the compiled extension stays).
-    for name in [n for n in sys.modules if n.split(".")[0] == "triton"]:
-        if not name.startswith("triton._C"):
-            del sys.modules[name]
+    # @triton.jit, triton's own library included, picks the interpreter when it decorates, and
+    # transformers (via torch._dynamo) imported triton already: re-import all but its extension
+    for name in [n for n in sys.modules if n.split(".")[0] == "triton" and n[:9] != "triton._C"]:
+        del sys.modules[name]
 pytest.importorskip("triton")
 
 import kernels  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 from kernels import reference, triton_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_PARAMS = [pytest.param(dtype, id=str(dtype).removeprefix("torch.")) for dtype in DTYPES]
 # Attention tolerances against an fp32 reference: the kernels round P to the dtype for P @ V.
 ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 NAN = float("nan")
@@ -36,17 +38,10 @@ NAN = float("nan")
 BF16_ULPS = 0 if CUDA else 4
 
 
-def _name(value: object) -> str | None:
-    """Test ids: dtypes by their short name, the rest as pytest names them."""
-    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
-
-
 def _ulps(dtype: torch.dtype, n: float) -> dict[str, float]:
     """``assert_close`` tolerances of ``n`` units in the last place of ``dtype``."""
-    if dtype == torch.bfloat16:
-        n += BF16_ULPS
-    eps = torch.finfo(dtype).eps
-    return {"atol": n * eps, "rtol": n * eps}
+    tol = (n + (BF16_ULPS if dtype == torch.bfloat16 else 0)) * torch.finfo(dtype).eps
+    return {"atol": tol, "rtol": tol}
 
 
 def _gen(*key: object) -> torch.Generator:
@@ -78,40 +73,29 @@ def _paged(gen: torch.Generator, ctx_lens: list[int], num_kv_heads: int, head_di
     return k, v, tables.to(DEVICE), lens
 
 
-def _clean(*ts: torch.Tensor) -> list[torch.Tensor]:
-    """fp32 copies with NaN as 0: the reference gathers whole blocks, and 0 * NaN is NaN."""
-    return [t.float().nan_to_num() for t in ts]
-
-
-def _check_decode(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
-                  block_size: int, ctx_lens: list[int], splits: list[int | None]) -> None:
-    gen = _gen("decode", dtype, group, head_dim, block_size, len(ctx_lens))
-    k, v, tables, lens = _paged(gen, ctx_lens, num_kv_heads, head_dim, block_size, dtype)
-    q = _randn(gen, len(ctx_lens), num_kv_heads * group, head_dim, dtype=dtype)
-    scale = head_dim**-0.5
-    expected = reference.paged_attention_decode(*_clean(q, k, v), tables, lens, scale)
-    for num_splits in splits:
-        out = torch.full_like(q, NAN)
-        triton_ops.paged_attention_decode(q, k, v, tables, lens, scale, num_splits=num_splits,
-                                          out=out)
-        assert out.isfinite().all(), f"NaN with num_splits={num_splits}"
-        torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
-
-
-def _check_prefill(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
-                   block_size: int, seqs: list[tuple[int, int]]) -> None:
-    """``seqs``: (new tokens, context length) per sequence; the rest of a context is prefix."""
-    gen = _gen("prefill", dtype, group, head_dim, block_size, len(seqs))
+def _check_attention(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
+                     block_size: int, seqs: list[tuple[int, int]],
+                     splits: list[int | None]) -> None:
+    """``seqs``: (new tokens, context length) per sequence, the rest of a context being its
+    cached prefix. One new token each takes the decode kernel, once per entry of ``splits``."""
+    gen = _gen(dtype, group, head_dim, block_size, seqs)
     k, v, tables, lens = _paged(gen, [c for _, c in seqs], num_kv_heads, head_dim, block_size,
                                 dtype)
     cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEVICE, torch.int32)
     q = _randn(gen, int(cu[-1]), num_kv_heads * group, head_dim, dtype=dtype)
-    scale = head_dim**-0.5
-    expected = reference.paged_attention_prefill(*_clean(q, k, v), cu, tables, lens, scale)
-    out = torch.full_like(q, NAN)
-    triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out)
-    assert out.isfinite().all()
-    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
+    decode, scale = all(n == 1 for n, _ in seqs), head_dim**-0.5
+    clean = [t.float().nan_to_num() for t in (q, k, v)]  # the reference reads whole blocks
+    expected = (reference.paged_attention_decode(*clean, tables, lens, scale) if decode else
+                reference.paged_attention_prefill(*clean, cu, tables, lens, scale))
+    for num_splits in splits:
+        out = torch.full_like(q, NAN)
+        if decode:
+            triton_ops.paged_attention_decode(q, k, v, tables, lens, scale,
+                                              num_splits=num_splits, out=out)
+        else:
+            triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out)
+        assert out.isfinite().all(), f"NaN with num_splits={num_splits}"
+        torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 def _check_store(dtype: torch.dtype, num_tokens: int, num_heads: int, head_dim: int,
@@ -177,45 +161,46 @@ def _check_rotary(dtype: torch.dtype, num_tokens: int, num_heads: int, num_kv_he
 # turn, so that every dtype and every ratio meets both (the full product triples the time).
 SHAPES = [(64, 16), (128, 32)]
 ATTENTION_CASES = [
-    pytest.param(dtype, group, d, bs, id=f"{_name(dtype)}-gqa{group}-d{d}-bs{bs}")
-    for i, dtype in enumerate(DTYPES) for j, group in enumerate([1, 3, 8])
+    pytest.param(dtype, group, d, bs, id=f"{p.id}-gqa{group}-d{d}-bs{bs}")
+    for i, (p, dtype) in enumerate(zip(DTYPE_PARAMS, DTYPES, strict=True))
+    for j, group in enumerate([1, 3, 8])
     for d, bs in [SHAPES[(i + j) % 2]]]
 
 
 @pytest.mark.parametrize("dtype,group,head_dim,block_size", ATTENTION_CASES)
 def test_decode(dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> None:
     bs = block_size  # lengths of 1 and at block boundaries; 3 splits leave empty ones
-    _check_decode(dtype, group, 2, head_dim, bs, [1, bs, bs + 1, 2 * bs, 3 * bs - 1],
-                  [None, 3])
+    lens = [1, bs, bs + 1, 2 * bs, 3 * bs - 1]
+    _check_attention(dtype, group, 2, head_dim, bs, [(1, n) for n in lens], [None, 3])
 
 
 @pytest.mark.parametrize("dtype,group,head_dim,block_size", ATTENTION_CASES)
 def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> None:
     bs = block_size  # no prefix, one token after a prefix, chunks ending and starting on
-    _check_prefill(dtype, group, 2 if group < 8 else 1, head_dim, bs,  # block boundaries
-                   [(bs, bs), (1, bs + 1), (5, 2 * bs), (bs + 3, 2 * bs + 3), (21, 21)])
+    _check_attention(dtype, group, 2 if group < 8 else 1, head_dim, bs,  # block boundaries
+                     [(bs, bs), (1, bs + 1), (5, 2 * bs), (bs + 3, 2 * bs + 3), (21, 21)], [None])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("num_heads,head_dim,block_size", [(2, 64, 16), (3, 128, 32)])
 def test_store_kvcache(dtype: torch.dtype, num_heads: int, head_dim: int,
                        block_size: int) -> None:
     _check_store(dtype, 2 * block_size + 3, num_heads, head_dim, block_size, 4)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_copy_blocks(dtype: torch.dtype, block_size: int) -> None:
     _check_copy(dtype, 2, 8, block_size, 2, 64, 3)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("hidden,with_residual", [(64, False), (96, True)])
 def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     _check_rms_norm(dtype, 5, hidden, with_residual)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 1, 128)])
 def test_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     _check_rotary(dtype, 7, num_heads, num_kv_heads, head_dim, 50)
@@ -230,31 +215,45 @@ def test_dispatch() -> None:
         kernels._resolve("rotary", cpu, "cutlass")
 
 
+def test_engine_greedy(tiny_llama: Path, make_llm: Callable[..., LLM],
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's own calls (pool views, strided k/v, decode groups, chunked prefill, n=2
+    forks with copy-on-write) give the reference's greedy tokens on the Triton ops."""
+    prompts = [list(range(3, 38)), [7, 8]]
+    params = SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True)
+    outs = []
+    for module in ("kernels.reference", "kernels.triton_ops"):
+        for backend in kernels._BACKENDS:
+            monkeypatch.setitem(kernels._BACKENDS, backend, module)
+        llm = make_llm(tiny_llama, device=DEVICE.type, max_num_batched_tokens=16,
+                       num_kv_blocks=32)
+        outs.append([[o.token_ids for o in r.outputs]
+                     for r in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 class TestCuda:
     """Engine-sized shapes, compiled."""
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+    @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
     @pytest.mark.parametrize("group", [1, 4, 8])
     def test_decode(self, dtype: torch.dtype, group: int) -> None:
-        lens = torch.randint(1, 4096, (40,), generator=_gen(group)).tolist()
-        _check_decode(dtype, group, 8, 128, 16, lens + [1, 16, 4096], [None, 1, 8])
+        lens = torch.randint(1, 4096, (40,), generator=_gen(group)).tolist() + [1, 16, 4096]
+        _check_attention(dtype, group, 8, 128, 16, [(1, n) for n in lens], [None, 1, 8])
         # few programs, long contexts: the heuristic splits
-        _check_decode(dtype, group, 8, 128, 32, [32768, 17, 20001], [None])
+        _check_attention(dtype, group, 8, 128, 32, [(1, 32768), (1, 17), (1, 20001)], [None])
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+    @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
     @pytest.mark.parametrize("group", [1, 4, 8])
     def test_prefill(self, dtype: torch.dtype, group: int) -> None:
         seqs = [(1024, 1024), (1, 2049), (512, 4096), (333, 1000), (2048, 2048), (64, 64)]
-        _check_prefill(dtype, group, 8, 128, 16, seqs)
+        _check_attention(dtype, group, 8, 128, 16, seqs, [None])
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-    def test_cache_ops(self, dtype: torch.dtype) -> None:
+    @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+    def test_other_ops(self, dtype: torch.dtype) -> None:
         _check_store(dtype, 4096, 8, 128, 16, 512)
         _check_copy(dtype, 8, 256, 16, 8, 128, 64)
-
-    @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-    def test_norm_and_rotary(self, dtype: torch.dtype) -> None:
         _check_rms_norm(dtype, 4096, 4096, True)
         _check_rms_norm(dtype, 1000, 2048, False)
         _check_rotary(dtype, 4096, 32, 8, 128, 8192)
