@@ -1,4 +1,4 @@
-"""Triton paged attention: decode (flash-decoding over splits) and ragged causal prefill.
+"""Triton paged decode (flash-decoding over splits), and the tile step prefill shares with it.
 
 Both read KV through the block table one token at a time (``slot = table[t // bs] * bs + t % bs``),
 so the KV tile ``BLOCK_N`` is independent of the cache's block size. Softmax is online, in base 2,
