@@ -5,7 +5,7 @@ import json
 
 import pytest
 from rq.registry import FailedJobRegistry
-from test_worker import QUEUE, events_of, one_torch_thread, serving  # noqa: F401
+from test_worker import QUEUE, events_of, one_torch_thread, serving, wait_for  # noqa: F401
 
 from producer import Client, Job, JobFailed
 from producer.protocol import JOB_FIELD, Error, queue_key
@@ -115,3 +115,16 @@ def test_unexpected_errors_fail_the_job_not_the_worker(redis_url, tiny_llama,
         with pytest.raises(JobFailed, match="kernel fault"):
             client.submit("unlucky", max_tokens=50).result(timeout=10)
         assert client.submit("fine", max_tokens=5).result(timeout=10).status == "finished"
+
+
+def test_a_job_id_that_already_ran_is_not_run_again(redis_url, tiny_llama) -> None:
+    client = Client(redis_url, queue=QUEUE)
+    with serving(redis_url, tiny_llama):
+        first = client.submit("once", job_id="once", max_tokens=5).result(timeout=10)
+        raw = Job(id="once", queue=QUEUE, prompt="twice").model_dump_json()
+        client.redis.xadd(queue_key(QUEUE), {JOB_FIELD: raw})  # past the client's id check
+        # Its first write finds the stream written: it stays pending until reclaimed, when
+        # the `end` already there has it acknowledged.
+        wait_for(lambda: (s := client.stats())["pending"] == 0 and s["lag"] == 0,
+                 what="the repeat to be acknowledged")
+    assert client.job("once").result(timeout=1) == first

@@ -84,25 +84,35 @@ class Consumer:
     def ensure_group(self) -> None:
         try:
             retry(lambda: self.conn.xgroup_create(self.key, GROUP, id="0", mkstream=True),
-                        "create group", self.give_up)
+                  "create group", self.give_up)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read(self, count: int, block_ms: int | None) -> list[Delivery]:
-        """Up to ``count`` new jobs; waits up to ``block_ms`` for one when given."""
-        def call() -> list:
+    def read(self, count: int, block_ms: int) -> list[Delivery]:
+        """Up to ``count`` new jobs, waiting up to ``block_ms`` for one (an idle worker's read;
+        a busy one reads with its publishing round trip: ``read_in``)."""
+        def call() -> object:
             try:
                 return self.conn.xreadgroup(GROUP, self.name, {self.key: ">"}, count=count,
                                             block=block_ms)
             except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning("consumer group missing; creating it", queue=self.queue)
-                self.ensure_group()  # the stream or Redis's data went away
-                return []
+                return exc
 
-        reply = retry(call, "read", self.give_up)
+        return self.arrived(retry(call, "read", self.give_up))
+
+    def read_in(self, pipe: Pipeline, count: int) -> None:
+        """Adds a read of up to ``count`` new jobs to a pipeline; its reply goes to arrived()."""
+        pipe.xreadgroup(GROUP, self.name, {self.key: ">"}, count=count)
+
+    def arrived(self, reply: object) -> list[Delivery]:
+        """The new jobs in an XREADGROUP reply."""
+        if isinstance(reply, redis.ResponseError):
+            if "NOGROUP" not in str(reply):
+                raise reply
+            log.warning("consumer group missing; creating it", queue=self.queue)
+            self.ensure_group()  # the stream, or Redis's data, went away
+            return []
         return [parse(entry_id, fields, False) for _, entries in reply or []
                 for entry_id, fields in entries]
 
@@ -128,28 +138,25 @@ class Consumer:
             retry(lambda: self.conn.xclaim(self.key, GROUP, self.name, 0, ids,
                                                  justid=True), "refresh claims", self.give_up)
 
-    def inspect(self, deliveries: list[Delivery]) -> None:
-        """Fills in each delivery's result stream so far and, for reclaimed ones, how often it
-        was delivered: one round trip."""
+    def inspect(self, reclaimed: list[Delivery]) -> None:
+        """Fills in what each reclaimed job's result stream holds and how often it was
+        delivered: one round trip. (A new job's stream is empty; if it is not, a reused id,
+        the fenced first write fails and the entry, left pending, comes back through here.)"""
         def call() -> list:
             pipe = self.conn.pipeline(transaction=False)
-            for d in deliveries:
+            for d in reclaimed:
                 pipe.xrange(results_key(d.job_id))
-                if d.reclaimed:
-                    pipe.xpending_range(self.key, GROUP, d.entry_id, d.entry_id, 1)
+                pipe.xpending_range(self.key, GROUP, d.entry_id, d.entry_id, 1)
             return pipe.execute()
 
-        replies = iter(retry(call, "inspect", self.give_up))
-        for d in deliveries:
-            stream = next(replies)
+        replies = retry(call, "inspect", self.give_up)
+        for d, stream, pending in zip(reclaimed, replies[::2], replies[1::2], strict=True):
             d.written = len(stream)
+            d.deliveries = pending[0]["times_delivered"] if pending else 1
             try:
                 d.events = [_EVENTS.validate_json(fields[EVENT_FIELD]) for _, fields in stream]
             except (ValidationError, KeyError) as exc:  # written by something else than pagedq
                 d.invalid = f"its result stream holds an unreadable event: {exc}"[:_MAX_MESSAGE]
-            if d.reclaimed:
-                pending = next(replies)
-                d.deliveries = pending[0]["times_delivered"] if pending else 1
 
     def ack(self, pipe: Pipeline, entry_id: str) -> None:
         pipe.xack(self.key, GROUP, entry_id)

@@ -1,5 +1,6 @@
 """One pipelined round trip per engine step: every job's new events with their
-acknowledgements, the RQ mirror's transitions, and the check for cancellations.
+acknowledgements, the RQ mirror's transitions, the check for cancellations and the read of the
+next jobs.
 
 Each job's events are appended by a Lua script only if the job's result stream still holds
 exactly as many events as this worker last saw (a fence): of two workers that both think they
@@ -91,6 +92,7 @@ class Batch:
 class Flushed:
     superseded: set[str]  # jobs whose stream another worker continued: drop them
     canceled: set[str]  # watched jobs whose cancel key is set
+    read: object = None  # the reply of the ``read`` command, if one was given
 
 
 class Publisher:
@@ -101,9 +103,11 @@ class Publisher:
         self.result_ttl = result_ttl
         self.give_up = give_up
 
-    def flush(self, batch: Batch, watch: Iterable[str]) -> Flushed:
-        """Sends ``batch`` and asks which of the ``watch`` jobs are canceled, in one
-        transaction; re-sent until Redis answers (the fence makes that safe)."""
+    def flush(self, batch: Batch, watch: Iterable[str],
+              read: Callable[[Pipeline], object] | None = None) -> Flushed:
+        """Sends ``batch``, asks which of the ``watch`` jobs are canceled and adds the ``read``
+        command, in one transaction; re-sent until Redis answers (the fence makes that safe;
+        jobs a lost reply had read stay pending, and come back by reclaim)."""
         watch = list(watch)
         job_ids = list(batch.appends)
         tries = 0
@@ -122,13 +126,17 @@ class Publisher:
                 add(pipe)
             if watch:
                 pipe.mget([cancel_key(job_id) for job_id in watch])
+            if read:
+                read(pipe)
             return pipe.execute(raise_on_error=False)
 
         replies = retry(send, "publish", self.give_up)
+        read_reply = replies.pop() if read else None
         for reply in replies:  # a failed mirror or ack command must not stop the stream
             if isinstance(reply, Exception):
                 log.error("redis command failed", error=str(reply))
         status = replies[0] if job_ids else []
         canceled = replies[-1] if watch else []
         return Flushed({j for j, ok in zip(job_ids, status, strict=True) if not ok},
-                       {j for j, flag in zip(watch, canceled, strict=True) if flag is not None})
+                       {j for j, flag in zip(watch, canceled, strict=True) if flag is not None},
+                       read_reply)

@@ -31,6 +31,7 @@ class Worker:
                                    self._past_grace)
         self.log = log.bind(worker=self.name, queue=settings.queue)
         self._batch = Batch()  # events of aborts decided after the last flush
+        self._arrived: list[Delivery] = []  # jobs read, not admitted yet
         self._stop_at: float | None = None
         self._next_heartbeat = self._next_claims = 0.0
 
@@ -81,27 +82,35 @@ class Worker:
             self._next_heartbeat = now + HEARTBEAT_S
             self._heartbeat()
         taking = self._stop_at is None
-        free = self.driver.free_slots() if taking else 0
-        deliveries: list[Delivery] = []
         if now >= self._next_claims:
             self._next_claims = now + self.settings.claim_refresh_s
             self.consumer.refresh(self.driver.entry_ids())
-            if free > 0:
-                deliveries += self.consumer.reclaim(free, self.settings.reclaim_idle_ms)
-        if free > len(deliveries):
-            idle = not (self.driver.jobs or self._batch or deliveries)
-            deliveries += self.consumer.read(free - len(deliveries),
-                                             IDLE_BLOCK_MS if idle else None)
-        if deliveries:
-            self.consumer.inspect(deliveries)
-            self.driver.admit(deliveries, self._batch)
+            free = self.driver.free_slots() - len(self._arrived)
+            if taking and free > 0:
+                reclaimed = self.consumer.reclaim(free, self.settings.reclaim_idle_ms)
+                self.consumer.inspect(reclaimed)
+                self._arrived += reclaimed
+        if taking and not (self.driver.jobs or self._batch or self._arrived):
+            self._arrived = self.consumer.read(self.driver.free_slots(), IDLE_BLOCK_MS)
+        if self._arrived and taking:  # once stopping, they stay pending for a peer
+            self.driver.admit(self._arrived, self._batch)
+            self._arrived = []
         self.driver.stop_overdue(self._batch)
         if self.engine.has_unfinished():
             self.driver.step(self._batch)
         if self._batch or self.driver.jobs:
-            batch, self._batch = self._batch, Batch()
-            flushed = self.publisher.flush(batch, list(self.driver.jobs))
-            for job_id in flushed.superseded:
-                self.driver.drop(job_id, "another worker continued its result stream")
-            for job_id in flushed.canceled:  # aborted now; its events go out next round trip
-                self.driver.stop(job_id, "abort", self._batch)
+            self._publish(self.driver.free_slots() if taking else 0)
+
+    def _publish(self, free: int) -> None:
+        """Sends the step's batch; in the same round trip, checks for cancellations and reads
+        as many new jobs as there are free slots (admitted next tick, before the next step)."""
+        batch, self._batch = self._batch, Batch()
+        flushed = self.publisher.flush(
+            batch, list(self.driver.jobs),
+            read=(lambda pipe: self.consumer.read_in(pipe, free)) if free > 0 else None)
+        for job_id in flushed.superseded:
+            self.driver.drop(job_id, "another worker continued its result stream")
+        for job_id in flushed.canceled:  # aborted now; its events go out next round trip
+            self.driver.stop(job_id, "abort", self._batch)
+        if free > 0:
+            self._arrived = self.consumer.arrived(flushed.read)
