@@ -1,6 +1,21 @@
-"""Jobs in, events out: each delivered job becomes an engine request (continuing from its result
-stream when another worker had begun it), and each engine step becomes result events, RQ mirror
-transitions and acknowledgements in a Batch."""
+"""Jobs in, events out: each delivered job becomes an engine request, and each engine step
+becomes result events, RQ mirror transitions and acknowledgements in a Batch.
+
+- A job's entry is acknowledged only together with its `end` or `error` event (the publisher
+  writes both in one script), never earlier: a worker that dies leaves it pending.
+- A reclaimed job: with an `end` or `error` in its result stream it is only acknowledged;
+  delivered more than `max_deliveries` times it is dead-lettered (`error` "dead_letter");
+  otherwise it resumes. Per sample the stream gives its token ids and text (its chunks in
+  order), its next chunk number and whether it has a `done`; finished samples are not run again,
+  the others continue from their tokens (recomputed as prompt, seeded draws advanced, text
+  continued after the characters already sent), so chunk numbers go on and every token is
+  published exactly once.
+- Cancel (`abort`) and deadline (`deadline`) abort the request at once (its blocks are freed),
+  send the text it held back, a `done` for every unfinished sample and `end`. RQ: canceled for
+  a cancel; finished for a deadline (the job has its output, as the client's status says).
+- Refusals: an invalid job is `invalid_job`, one the engine refuses `invalid_request`, an
+  unexpected exception `internal`; each fails that job only.
+"""
 
 import time
 from dataclasses import dataclass, field
@@ -180,8 +195,7 @@ class Driver:
         state.log.info("job ended", canceled=canceled, completion_tokens=usage.completion_tokens)
 
     def stop(self, job_id: str, reason: str, batch: Batch) -> None:
-        """Ends a job now, freeing its blocks at once: ``abort`` (canceled: RQ's canceled) or
-        ``deadline`` (RQ's finished, as the client's status says: it has its output)."""
+        """Ends a job now, freeing its blocks at once: ``abort`` or ``deadline``."""
         state = self.jobs.get(job_id)
         if state is None:
             return

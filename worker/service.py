@@ -113,4 +113,4 @@ class Worker:
         for job_id in flushed.canceled:  # aborted now; its events go out next round trip
             self.driver.stop(job_id, "abort", self._batch)
         if free > 0:
-            self._arrived = self.consumer.arrived(flushed.read)
+            self._arrived += self.consumer.arrived(flushed.read)
