@@ -108,7 +108,8 @@ def test_stop_finishes_in_flight_jobs_within_the_grace_period(redis_url, tiny_ll
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0
     assert all(h.status() == "finished" for h in handles)
-    assert client.stats()["pending"] == 0
+    stats = client.stats()
+    assert stats["pending"] == 0 and not stats["consumers"]  # it left the group
     assert not client.redis.smembers(WORKERS)  # unregistered
 
 
@@ -123,7 +124,8 @@ def test_past_the_grace_period_jobs_stay_pending_for_a_peer(redis_url, tiny_llam
         wait_for(lambda: all(chunks_in(client.redis, h.id) >= 3 for h in handles),
                  what="jobs under way")
         quitter.stop()
-    assert client.stats()["pending"] == len(handles)
+    stats = client.stats()
+    assert stats["pending"] == len(handles) and stats["consumers"][0]["name"] == "quitter"
     assert all(h.status() == "started" for h in handles)
     with serving(redis_url, tiny_llama, "heir"):
         for handle, exp in zip(handles, expected, strict=True):

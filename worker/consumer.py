@@ -158,6 +158,12 @@ class Consumer:
             except (ValidationError, KeyError) as exc:  # written by something else than pagedq
                 d.invalid = f"its result stream holds an unreadable event: {exc}"[:_MAX_MESSAGE]
 
+    def leave(self) -> None:
+        """Removes this consumer from the group if it holds no pending entry (deleting one that
+        does would drop its entries), so that restarts do not pile up consumers."""
+        if not self.conn.xpending_range(self.key, GROUP, "-", "+", 1, consumername=self.name):
+            self.conn.xgroup_delconsumer(self.key, GROUP, self.name)
+
     def ack(self, pipe: Pipeline, entry_id: str) -> None:
         pipe.xack(self.key, GROUP, entry_id)
 
