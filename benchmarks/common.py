@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -115,7 +116,20 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def git_revision() -> str:
+    """HEAD's short hash, with "+dirty" when engine/ or kernels/ differ from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "engine", "kernels")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Writes `data`, with the git revision under test, as indented JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps({"git": git_revision()} | data, indent=2) + "\n")
     log(f"wrote {path}")
