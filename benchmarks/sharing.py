@@ -26,7 +26,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HERE = Path(__file__).resolve().parent
+# Python put this folder first on sys.path, where benchmarks/queue.py would shadow the standard
+# library's queue (torch imports it): move the folder to the end.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
     MODELS,
     OUT_DIR,
