@@ -2,13 +2,17 @@
 reference, and the pool-is-whole check that runs after every test that builds an engine."""
 
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
-
-import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
+# Idle OpenMP threads sleep instead of spinning (read when torch loads, inherited by the worker
+# subprocesses): pytest, workers and Redis share the cores, and spinning threads starve them.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from engine import LLM  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
