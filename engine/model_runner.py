@@ -45,11 +45,11 @@ class ModelRunner:
 
     def _decode_groups(self, tables: list[list[int]]) -> list[tuple[int, int]]:
         """Splits the decode rows (longest first) where the block count drops below 60% of the
-        group's first: the CPU reference pads every row to its group's longest, so this bounds
-        the wasted gather and attention work. Triton kernels take ragged rows as they are."""
+        group's first: the torch reference pads every row to its group's longest, so this bounds
+        the wasted gather and attention work. The other backends take ragged rows as they are."""
         if not tables:
             return []
-        if self.device.type == "cuda":
+        if kernels.default_backend(self.device) != "torch":
             return [(0, len(tables))]
         starts = [0]
         for i, table in enumerate(tables):

@@ -1,8 +1,10 @@
 """Attention, cache, norm and rotary ops behind one dispatch point.
 
-``backend`` is ``"torch"`` (the reference ops), ``"triton"`` or ``None``: pick by device, Triton
-on CUDA where Triton is installed, the torch reference otherwise. On CPU tensors the Triton ops
-run only under ``TRITON_INTERPRET=1`` (how the tests check them without a GPU).
+``backend`` is ``"torch"`` (the reference ops), ``"triton"``, ``"cpu"`` (a numba-compiled paged
+decode attention, the reference for the rest) or ``None``: pick by device, Triton on CUDA where
+Triton is installed, ``"cpu"`` on the CPU where numba is installed, the torch reference
+otherwise. On CPU tensors the Triton ops run only under ``TRITON_INTERPRET=1`` (how the tests
+check them without a GPU).
 """
 
 import importlib
@@ -17,11 +19,18 @@ import torch
 _BACKENDS: dict[str, str] = {"torch": "kernels.reference"}
 if importlib.util.find_spec("triton") is not None:  # CPU-only installs may lack it
     _BACKENDS["triton"] = "kernels.triton_ops"
+if importlib.util.find_spec("numba") is not None:
+    _BACKENDS["cpu"] = "kernels.cpu_ops"
+
+
+def default_backend(device: torch.device) -> str:
+    fast = "triton" if device.type == "cuda" else "cpu"
+    return fast if fast in _BACKENDS else "torch"
 
 
 def _resolve(name: str, device: torch.device, backend: str | None) -> Callable:
     if backend is None:
-        backend = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "torch"
+        backend = default_backend(device)
     if backend not in _BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not available; "
                          f"have {sorted(_BACKENDS)}")

@@ -1,0 +1,62 @@
+"""The numba CPU decode attention against the torch reference, and the engine on it."""
+
+import pytest
+import torch
+
+pytest.importorskip("numba")
+
+import kernels  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from kernels import cpu_ops, reference  # noqa: E402
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_matches_reference(group: int, head_dim: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
+    num_kv_heads = 2
+    # ragged: one token, block boundaries, and long rows, in one batch
+    lens = [1, block_size, block_size + 1, 2 * block_size - 1, 7 * block_size + 3, 300]
+    width = -(-max(lens) // block_size)
+    num_blocks = len(lens) * width
+    # distinct shuffled blocks; slots past a row's length are NaN and must not be read
+    tables = torch.randperm(num_blocks, generator=gen).view(len(lens), width).to(torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    for cache in (k, v):  # poison the last slot of each row's last block past its length
+        for row, n in enumerate(lens):
+            if n % block_size:
+                cache[tables[row, (n - 1) // block_size], n % block_size:] = float("nan")
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    out = cpu_ops.paged_attention_decode(q, k, v, tables, ctx, head_dim**-0.5)
+    # the reference reads whole padded blocks: give it NaN-free copies
+    expected = reference.paged_attention_decode(q, k.nan_to_num(), v.nan_to_num(), tables, ctx,
+                                                head_dim**-0.5)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_other_dtypes_fall_back() -> None:
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    ctx = torch.tensor([20, 3], dtype=torch.int32)
+    out = cpu_ops.paged_attention_decode(q, k, k, tables, ctx, 0.125)
+    torch.testing.assert_close(out, reference.paged_attention_decode(q, k, k, tables, ctx, 0.125))
+
+
+def test_default_backend_on_cpu() -> None:
+    assert kernels.default_backend(torch.device("cpu")) == "cpu"
+    assert kernels._resolve("paged_attention_decode", torch.device("cpu"), None) is (
+        cpu_ops.paged_attention_decode)
+
+
+def test_engine_same_tokens_on_both_cpu_backends(tiny_llama, monkeypatch) -> None:
+    prompts = [[5 + i] * (3 + 37 * i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fast = [o.outputs[0].token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
+    monkeypatch.setattr(kernels, "default_backend", lambda device: "torch")
+    slow = [o.outputs[0].token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
+    assert fast == slow
