@@ -3,8 +3,8 @@
 
 The reference decode gathers each sequence's blocks into a padded copy and then runs SDPA over
 it: three passes over the KV bytes per layer and step, plus the padding. This kernel reads K and
-V once, straight from the pool, one (sequence, KV head) per task, so ragged rows cost only their
-own length. Only float32 caches take it (numba has no bfloat16); others use the reference.
+V once, straight from the pool, one sequence per task, so ragged rows cost only their own
+length. Only float32 caches take it (numba has no bfloat16); others use the reference.
 """
 
 import numba
@@ -21,35 +21,50 @@ from kernels.reference import (  # noqa: F401  (re-exported: the dispatch looks 
 )
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
             context_lens: np.ndarray, scale: float, out: np.ndarray) -> None:  # pragma: no cover
+    # One task per sequence: it walks each block's rows (every KV head) in memory order.
+    # Plain indexing, no array slices in the loops: slices cost a reference count each, and
+    # the head_dim loops vectorize only this way.
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    for task in numba.prange(batch * num_kv_heads):
-        b, h = task // num_kv_heads, task % num_kv_heads
+    for b in numba.prange(batch):
         length = context_lens[b]
-        qs = q[b, h * group:(h + 1) * group].astype(np.float32) * np.float32(scale)
-        scores = np.empty((group, length), np.float32)
-        for t in range(length):
-            k = k_cache[block_tables[b, t // block_size], t % block_size, h]
-            for g in range(group):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += qs[g, d] * k[d]
-                scores[g, t] = s
-        for g in range(group):
-            scores[g] = np.exp(scores[g] - scores[g].max())
-        acc = np.zeros((group, head_dim), np.float32)
-        for t in range(length):
-            v = v_cache[block_tables[b, t // block_size], t % block_size, h]
-            for g in range(group):
-                p = scores[g, t]
-                for d in range(head_dim):
-                    acc[g, d] += p * v[d]
-        for g in range(group):
-            out[b, h * group + g] = acc[g] / scores[g].sum()
+        num_blocks = (length + block_size - 1) // block_size
+        qs = np.empty((num_heads, head_dim), np.float32)
+        for g in range(num_heads):
+            for d in range(head_dim):
+                qs[g, d] = q[b, g, d] * scale
+        scores = np.empty((num_heads, length), np.float32)
+        for i in range(num_blocks):
+            blk = block_tables[b, i]
+            for j in range(min(block_size, length - i * block_size)):
+                for g in range(num_heads):
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += qs[g, d] * k_cache[blk, j, g // group, d]
+                    scores[g, i * block_size + j] = s
+        denom = np.zeros(num_heads, np.float32)
+        for g in range(num_heads):
+            top = scores[g, 0]
+            for t in range(length):
+                top = max(top, scores[g, t])
+            for t in range(length):
+                scores[g, t] = np.exp(scores[g, t] - top)
+                denom[g] += scores[g, t]
+        acc = np.zeros((num_heads, head_dim), np.float32)
+        for i in range(num_blocks):
+            blk = block_tables[b, i]
+            for j in range(min(block_size, length - i * block_size)):
+                for g in range(num_heads):
+                    p = scores[g, i * block_size + j]
+                    for d in range(head_dim):
+                        acc[g, d] += p * v_cache[blk, j, g // group, d]
+        for g in range(num_heads):
+            for d in range(head_dim):
+                out[b, g, d] = acc[g, d] / denom[g]
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
