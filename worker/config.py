@@ -35,6 +35,11 @@ class Settings(BaseSettings):
     grace_period: float = Field(30.0, ge=0,
                                 description="seconds to finish in-flight jobs on SIGTERM")
     threads: int | None = Field(None, ge=1, description="torch threads; unset: torch's default")
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="port of /metrics, /healthz, /readyz; 0: off")
+    metrics_host: str = Field("0.0.0.0", description="address the metrics port binds")
+    stall_timeout: float = Field(300.0, gt=0,
+                                 description="seconds without a loop tick before /healthz fails")
 
     @field_validator("redis_url")
     @classmethod
