@@ -136,7 +136,7 @@ def test_queue_figures_and_probes(redis_server_factory) -> None:
         metrics.loaded = True
         metrics.tick(lambda: {"kv_blocks_total": 7})
         assert get(port, "/readyz") == (200, "ok\n") and get(port, "/healthz") == (200, "ok\n")
-        assert value(scrape(port), "pagedq_kv_blocks_total") == 7
+        assert value(scrape(port), "pagedq_kv_pool_blocks") == 7
         server.stop()  # Redis goes away: not ready, still alive
         status, text = get(port, "/readyz")
         assert status == 503 and text.startswith("redis unreachable")

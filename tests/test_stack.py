@@ -185,7 +185,7 @@ def test_worker_metrics_count_the_run(stack) -> None:
         {"finished": jobs["n_finished"], "failed": 1, "canceled": 1, "dead_letter": 0}
     assert value(m, "pagedq_generated_tokens_total") == jobs["tokens"]
     [ready] = [e for e in stack.log if e["event"] == "worker ready"]
-    assert value(m, "pagedq_kv_blocks_total") == ready["kv_blocks_total"] > 0
+    assert value(m, "pagedq_kv_pool_blocks") == ready["kv_blocks_total"] > 0
     assert (value(m, "pagedq_kv_blocks_used"), value(m, "pagedq_running_sequences"),
             value(m, "pagedq_waiting_sequences")) == (0, 0, 0)
     assert value(m, "pagedq_time_to_first_token_seconds_count") == jobs["n_finished"] + 1

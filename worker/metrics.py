@@ -48,7 +48,7 @@ ENGINE_METRICS = {
     "num_running": ("pagedq_running_sequences", "gauge", "Sequences in the running batch"),
     "num_waiting": ("pagedq_waiting_sequences", "gauge", "Sequences waiting to be scheduled"),
     "kv_blocks_used": ("pagedq_kv_blocks_used", "gauge", "KV blocks referenced now"),
-    "kv_blocks_total": ("pagedq_kv_blocks_total", "gauge", "KV blocks in the pool"),
+    "kv_blocks_total": ("pagedq_kv_pool_blocks", "gauge", "KV blocks in the pool"),
     "kv_utilization": ("pagedq_kv_utilization", "gauge",
                        "Slots holding KV over slots in allocated blocks"),
     "prefix_cache_queries": ("pagedq_prefix_cache_queries", "counter",
