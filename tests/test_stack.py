@@ -16,19 +16,19 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
+from browser import AuthProxy, chromium
 from compose_file import ROOT, load
 from test_metrics import get, scrape, value
+from test_worker import events_of
 
 from producer import Client
 from producer.protocol import Chunk, End
@@ -51,10 +51,14 @@ def dockerfile_json(instruction: str) -> list[str]:
     return json.loads(re.findall(rf"{instruction} (\[.*\])", DOCKERFILE)[-1])
 
 
-def wait(condition: Any, what: str, timeout: float = 120.0, proc: Any = None) -> None:
+def wait(condition: Any, what: str, timeout: float = 120.0, proc: Any = None,
+         log: Path | None = None) -> None:
+    """Polls ``condition``; fails early, with the tail of ``log``, if ``proc`` exits."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert proc is None or proc.poll() is None, f"{what}: the process exited"
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log else ""
+            raise AssertionError(f"{what}: the process exited ({proc.returncode})\n{tail}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
@@ -90,20 +94,13 @@ def run_jobs(client: Client) -> dict[str, Any]:
         if isinstance(event, Chunk):
             canceled.cancel()
             break
-    canceled.result(timeout=120)
-    results = [h.result(timeout=120) for h in chats]
+    for handle in chats + [canceled]:
+        handle.result(timeout=120)
     wait(lambda: failed.status() == "failed", "the invalid job to fail")
-    ends = [e for h in chats + [canceled] for _, e in _events(client, h.id) if
-            isinstance(e, End)]
-    return {"tokens": sum(e.usage.completion_tokens for e in ends), "results": results,
-            "failed": failed.id, "n_finished": len(chats)}
-
-
-def _events(client: Client, job_id: str) -> list:
-    from producer.core import decode_entries
-    from producer.protocol import results_key
-
-    return decode_entries(client.redis.xrange(results_key(job_id)))
+    ends = [e for h in chats + [canceled] for e in events_of(client.redis, h.id)
+            if isinstance(e, End)]
+    return {"tokens": sum(e.usage.completion_tokens for e in ends), "failed": failed.id,
+            "n_finished": len(chats)}
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +123,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2: Path):
             worker = subprocess.Popen([str(BIN / dockerfile_json("ENTRYPOINT")[0])], env=env,
                                       stderr=sink, cwd=tmp)
         procs.append(worker)
-        wait(lambda: get_or_none(metrics_port, "/readyz") == 200, "the worker to be ready",
-             proc=worker)
+        wait(lambda: http(f"http://127.0.0.1:{metrics_port}/readyz")[0] == 200,
+             "the worker to be ready", proc=worker, log=log)
         client = Client(server.url, queue=env["PAGEDQ_QUEUE"])
         out.jobs = run_jobs(client)
         wait(lambda: value(scrape(metrics_port), "pagedq_generated_tokens_total") ==
@@ -147,13 +144,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2: Path):
         port = free_port()
         dashboard = compose["dashboard"]
         env = base_env() | localize(dashboard["environment"], server.port)
-        procs.append(subprocess.Popen(
-            [str(BIN / dashboard["command"][0]), *dashboard["command"][1:],
-             "--bind", "127.0.0.1", "--port", str(port)],
-            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "dash.log", "wb")))
+        log = tmp / "dashboard.log"
+        with open(log, "wb") as sink:
+            procs.append(subprocess.Popen(
+                [str(BIN / dashboard["command"][0]), *dashboard["command"][1:],
+                 "--bind", "127.0.0.1", "--port", str(port)],
+                env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT))
         out.dashboard = f"http://127.0.0.1:{port}"
         wait(lambda: http(out.dashboard + "/", auth=(USER, ENV["DASHBOARD_PASSWORD"]))[0] == 200,
-             "the dashboard to answer", proc=procs[-1])
+             "the dashboard to answer", proc=procs[-1], log=log)
         out.tmp = tmp
         yield out
     finally:
@@ -164,18 +163,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2: Path):
         server.stop()
 
 
-def get_or_none(port: int, path: str) -> int | None:
-    try:
-        return get(port, path)[0]
-    except OSError:
-        return None
-
-
 def test_redis_runs_with_the_compose_arguments(stack) -> None:
     assert stack.redis_config["appendonly"] == "yes"
     assert stack.redis_config["appendfsync"] == "everysec"
     with pytest.raises((redis.AuthenticationError, redis.ResponseError), match="(?i)auth"):
-        redis.Redis(port=stack.redis_port).ping()  # the password is required
+        redis.Redis(host="127.0.0.1", port=stack.redis_port).ping()  # the password is required
 
 
 def test_worker_metrics_count_the_run(stack) -> None:
@@ -226,54 +218,6 @@ def test_dashboard_shows_the_run_and_refuses_requeue_and_delete(stack) -> None:
         status, body = dashboard_get(stack, path, method)
         assert status == 403 and "refused by pagedq" in body, path
     assert queue_counts(stack) == expected  # nothing moved
-
-
-class AuthProxy:
-    """Headless Chromium cannot answer a basic-auth challenge (credentials in the URL give
-    ERR_INVALID_AUTH_CREDENTIALS), so the browser goes through this local proxy, which adds
-    the Authorization header a user's browser would send after the login prompt."""
-
-    def __init__(self, upstream: str, auth: tuple[str, str]) -> None:
-        token = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                request = urllib.request.Request(upstream + self.path,
-                                                 headers={"Authorization": token})
-                try:
-                    reply = urllib.request.urlopen(request, timeout=30)
-                except urllib.error.HTTPError as exc:
-                    reply = exc
-                body = reply.read()
-                self.send_response(reply.status)
-                self.send_header("Content-Type", reply.headers.get("Content-Type", ""))
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def chromium(*args: str, tmp: Path) -> str:
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    if binary is None:
-        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
-    profile = tmp / f"chromium-profile-{time.monotonic_ns()}"  # fresh each time
-    command = [binary, "--headless", "--no-sandbox", "--disable-gpu",
-               "--disable-background-networking", "--no-first-run", "--disable-component-update",
-               "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
 
 
 def cells(row_html: str) -> list[str]:
