@@ -3,6 +3,7 @@ Redis with AOF, a healthcheck and a required password; one worker per GPU, each 
 own; a CPU profile; the dashboard on localhost with auth; the Dockerfile's pins equal the
 worker extra's. (No Docker engine here: test_stack.py runs the services' commands.)"""
 
+import ast
 import copy
 import re
 import tomllib
@@ -110,3 +111,25 @@ def test_dockerfile_stages() -> None:
         assert users and users[-1] not in ("root", "0")
     assert re.search(r'HEALTHCHECK .*\n?.*CMD \["python", "-m", "worker.healthcheck", "healthz"\]',
                      by_name["worker"])
+
+
+def test_docker_context_holds_what_the_dockerfile_copies() -> None:
+    """Every COPY source exists and .dockerignore (everything out, then exceptions) keeps it."""
+    kept = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+            if line.startswith("!")]
+    sources = [src for line in re.findall(r"^COPY (.+)$", DOCKERFILE, re.M)
+               for src in line.split()[:-1]]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert any(src == k or src.startswith(k + "/") for k in kept), src
+
+
+def test_dashboard_config_needs_only_rq_dashboard() -> None:
+    """The dashboard image holds rq-dashboard and worker/dashboard_config.py, not pagedq."""
+    tree = ast.parse((ROOT / "worker" / "dashboard_config.py").read_text())
+    modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names}
+    modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {m.split(".")[0] for m in modules} <= {"flask", "rq_dashboard"}
+    assert (ROOT / "worker" / "__init__.py").read_text() == ""
