@@ -27,7 +27,7 @@ while Redis answers and the worker is not stopping; 503 with the reason otherwis
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -99,7 +99,7 @@ class Metrics:
         self._server: ThreadingWSGIServer | None = None
 
     # hooks -------------------------------------------------------------------------------
-    def tick(self, stats: Any) -> None:
+    def tick(self, stats: Callable[[], dict[str, float]]) -> None:
         """Called by the loop each tick with ``engine.stats`` (called at most every
         SNAPSHOT_S seconds)."""
         self.last_tick = now = time.monotonic()
