@@ -113,6 +113,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2: Path):
     procs: list[subprocess.Popen] = []
     out = SimpleNamespace(redis_config=redis.Redis.from_url(server.url).config_get("append*"),
                           redis_port=server.port)
+    _, check = compose["redis"]["healthcheck"]["test"]  # CMD-SHELL, with the port added
+    check = check.replace("redis-cli", f"redis-cli -p {server.port}")
+    out.redis_health = [subprocess.run(["sh", "-c", check], timeout=30, env=base_env() | {
+        "REDIS_PASSWORD": password}).returncode for password in (ENV["REDIS_PASSWORD"], "no")]
     try:
         # the worker-cpu service: the image's ENTRYPOINT with the service's environment
         metrics_port = free_port()
@@ -167,6 +171,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2: Path):
 def test_redis_runs_with_the_compose_arguments(stack) -> None:
     assert stack.redis_config["appendonly"] == "yes"
     assert stack.redis_config["appendfsync"] == "everysec"
+    assert stack.redis_health == [0, 1]  # the compose healthcheck, right and wrong password
     with pytest.raises((redis.AuthenticationError, redis.ResponseError), match="(?i)auth"):
         redis.Redis(host="127.0.0.1", port=stack.redis_port).ping()  # the password is required
 
