@@ -13,6 +13,7 @@ from test_worker import QUEUE, events_of, one_torch_thread, serving, wait_for  #
 
 from producer import Client
 from producer.protocol import GROUP, End, queue_key
+from worker.healthcheck import main as healthcheck
 from worker.metrics import ENGINE_METRICS, Metrics
 from worker.redis_server import RedisServer, free_port
 
@@ -116,7 +117,7 @@ def test_outcomes_are_counted(redis_url, tiny_llama) -> None:
     assert value(samples, "pagedq_time_to_first_token_seconds_count") == 2  # ok and canceled
 
 
-def test_queue_figures_and_probes(redis_server_factory) -> None:
+def test_queue_figures_and_probes(redis_server_factory, monkeypatch) -> None:
     server: RedisServer = redis_server_factory()
     client = Client(server.url, queue="q2")
     metrics = Metrics(server.url, "q2", stall_timeout=0.3)
@@ -125,6 +126,8 @@ def test_queue_figures_and_probes(redis_server_factory) -> None:
     try:
         assert get(port, "/healthz") == (200, "starting\n")
         assert get(port, "/readyz") == (503, "model loading\n")
+        monkeypatch.setenv("PAGEDQ_METRICS_PORT", str(port))  # the image's HEALTHCHECK
+        assert (healthcheck(["healthz"]), healthcheck(["readyz"])) == (0, 1)
         assert get(port, "/nope")[0] == 404
         client.submit_many([{"prompt": f"job {i}"} for i in range(5)])
         client.redis.xreadgroup(GROUP, "someone", {queue_key("q2"): ">"}, count=2)
@@ -147,6 +150,7 @@ def test_queue_figures_and_probes(redis_server_factory) -> None:
         time.sleep(0.4)  # no tick for longer than the stall timeout: the loop is stuck
         status, text = get(port, "/healthz")
         assert status == 503 and text.startswith("loop stuck")
+        assert healthcheck(["healthz"]) == 1
         metrics.stopping = True
         assert get(port, "/readyz") == (503, "stopping\n")
     finally:
