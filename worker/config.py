@@ -21,7 +21,8 @@ class Settings(BaseSettings):
     queue: str = Field("default", min_length=1, description="the queue (job stream) to serve")
     model: str | None = Field(None, description="a Hugging Face folder; unset: SmolLM2-135M")
     device: str = Field("auto", description="cpu, cuda, cuda:1...; auto: cuda when available")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="float32, float16, bfloat16; auto: bfloat16 on CUDA, else float32")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
     max_num_seqs: int = Field(256, ge=1, description="sequences run side by side")
@@ -35,6 +36,11 @@ class Settings(BaseSettings):
     grace_period: float = Field(30.0, ge=0,
                                 description="seconds to finish in-flight jobs on SIGTERM")
     threads: int | None = Field(None, ge=1, description="torch threads; unset: torch's default")
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="port of /metrics, /healthz, /readyz; 0: off")
+    metrics_host: str = Field("0.0.0.0", description="address the metrics port binds")
+    stall_timeout: float = Field(300.0, gt=0,
+                                 description="seconds without a loop tick before /healthz fails")
 
     @field_validator("redis_url")
     @classmethod
@@ -55,6 +61,20 @@ class Settings(BaseSettings):
         """How often in-flight jobs are re-claimed (and peers' silent ones looked for): a few
         times per reclaim window, so a live worker's jobs never look idle."""
         return min(5.0, self.reclaim_idle_ms / 4000)
+
+
+def settings_table() -> str:
+    """Every setting as a Markdown table (flag, environment variable, default, meaning): the
+    README's copy is checked against it by tests/test_operator_docs.py."""
+    rows = ["| flag | environment | default | what |", "| --- | --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        if field.default_factory is not None:
+            default = "`<hostname>-<pid>`"
+        else:
+            default = "unset" if field.default is None else f"`{field.default}`"
+        rows.append(f"| `--{name.replace('_', '-')}` | `PAGEDQ_{name.upper()}` | {default} | "
+                    f"{field.description} |")
+    return "\n".join(rows)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:

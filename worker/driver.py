@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from producer import rq_mirror
 from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
 from worker.consumer import Consumer, Delivery
+from worker.metrics import Metrics
 from worker.publisher import Batch
 
 log = structlog.get_logger()
@@ -78,11 +79,13 @@ class _Running:
 
 
 class Driver:
-    def __init__(self, engine: LLMEngine, consumer: Consumer, max_deliveries: int) -> None:
+    def __init__(self, engine: LLMEngine, consumer: Consumer, max_deliveries: int,
+                 metrics: Metrics) -> None:
         self.engine = engine
         self.consumer = consumer
         self.queue = consumer.queue
         self.max_deliveries = max_deliveries
+        self.metrics = metrics
         self.jobs: dict[str, _Running] = {}
 
     def free_slots(self) -> int:
@@ -133,6 +136,7 @@ class Driver:
             return
         self.engine.add_request(job.id, ids, params, job.priority, resume)
         self.jobs[job.id] = state
+        self.metrics.job_started(job.id)
         batch.call(lambda p: rq_mirror.mark_started(p, job.id, self.queue,
                                                     self.consumer.name))
         bound.info("job started", prompt_tokens=len(ids), n=n,
@@ -143,6 +147,7 @@ class Driver:
         """Ends the job with an ``error`` event (after the ``start`` events its stream holds),
         acknowledging its entry, and a failed RQ record."""
         bound.warning("job failed", code=code, message=message)
+        self.metrics.job_ended(job_id, "dead_letter" if code == "dead_letter" else "failed")
         batch.event(job_id, start, Error(code=code, message=message), ack=entry_id)
         batch.call(lambda p: rq_mirror.mark_failed(p, job_id, self.queue, f"{code}: {message}"))
 
@@ -157,6 +162,8 @@ class Driver:
                 self._fail(job_id, state.entry_id, state.written, "internal",
                            f"{type(exc).__name__}: {exc}", batch, state.log)
             return
+        self.metrics.job_tokens(d.request_id for d in deltas
+                                if any(s.token_ids for s in d.samples))
         for delta in deltas:
             state = self.jobs[delta.request_id]
             for sample in delta.samples:
@@ -182,6 +189,7 @@ class Driver:
         job_id = state.job.id
         self.jobs.pop(job_id, None)
         usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=sum(state.tokens))
+        self.metrics.job_ended(job_id, "canceled" if canceled else "finished")
         state.emit(batch, End(usage=usage), ack=state.entry_id)
         if canceled:
             batch.call(lambda p: rq_mirror.mark_canceled(p, job_id, self.queue))
@@ -219,4 +227,5 @@ class Driver:
         state = self.jobs.pop(job_id, None)
         if state is not None:
             self.engine.abort(job_id)
+            self.metrics.job_ended(job_id, None)
             state.log.warning("job dropped", why=why)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -20,14 +21,18 @@ def free_port() -> int:
 
 class RedisServer:
     """``start()`` launches it, ``stop()`` kills it; ``restart()`` keeps the port and the data
-    directory, so with ``appendonly=True`` the data survives as it would on a real restart."""
+    directory, so with ``appendonly=True`` the data survives as it would on a real restart.
+    ``extra_args`` come last on the command line, so they override the defaults (a compose
+    service's arguments, say)."""
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None,
-                 appendonly: bool = False, password: str | None = None) -> None:
+                 appendonly: bool = False, password: str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="pagedq-redis-"))
         self.appendonly = appendonly
         self.password = password
+        self.extra_args = list(extra_args)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -44,6 +49,7 @@ class RedisServer:
                 "yes" if self.appendonly else "no", "--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.extra_args
         log = self.data_dir / "redis.log"
         with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)

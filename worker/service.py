@@ -11,6 +11,7 @@ from worker.config import Settings
 from worker.connection import DOWN, GaveUp, connect, retry
 from worker.consumer import Consumer, Delivery
 from worker.driver import Driver
+from worker.metrics import Metrics
 from worker.publisher import Batch, Publisher
 
 log = structlog.get_logger()
@@ -24,9 +25,16 @@ class Worker:
         self.settings = settings
         self.name = settings.consumer
         self.conn = connect(settings.redis_url)
-        self.engine = engine or LLMEngine(settings.engine_config())
+        self.metrics = Metrics(settings.redis_url, settings.queue, settings.stall_timeout)
+        if settings.metrics_port:  # up while the model loads: /healthz 200, /readyz 503
+            self.metrics.serve(settings.metrics_host, settings.metrics_port)
+        try:
+            self.engine = engine or LLMEngine(settings.engine_config())
+        except BaseException:
+            self.metrics.close()
+            raise
         self.consumer = Consumer(self.conn, settings.queue, self.name, self._past_grace)
-        self.driver = Driver(self.engine, self.consumer, settings.max_deliveries)
+        self.driver = Driver(self.engine, self.consumer, settings.max_deliveries, self.metrics)
         self.publisher = Publisher(self.conn, settings.queue, settings.result_ttl,
                                    self._past_grace)
         self.log = log.bind(worker=self.name, queue=settings.queue)
@@ -40,6 +48,7 @@ class Worker:
         stop now. Safe from a signal handler."""
         now = time.monotonic()
         self._stop_at = now if self._stop_at is not None else now + self.settings.grace_period
+        self.metrics.stopping = True
 
     def _past_grace(self) -> bool:
         return self._stop_at is not None and time.monotonic() >= self._stop_at
@@ -50,7 +59,10 @@ class Worker:
         try:
             self.consumer.ensure_group()
             self._register()
-            self.log.info("worker ready", max_num_seqs=self.engine.config.max_num_seqs)
+            self.metrics.loaded = True
+            self.log.info("worker ready", max_num_seqs=self.engine.config.max_num_seqs,
+                          kv_blocks_total=self.engine.stats()["kv_blocks_total"],
+                          metrics_port=self.settings.metrics_port)
             while not self._past_grace() and (
                     self._stop_at is None or self.driver.jobs or self._batch):
                 self._tick()
@@ -65,6 +77,7 @@ class Worker:
                 rq_mirror.unregister_worker(self.conn, self.name)
             except DOWN:
                 self.log.warning("could not unregister: redis unavailable")
+            self.metrics.close()
             self.log.info("worker stopped")
 
     def _register(self) -> None:
@@ -101,6 +114,7 @@ class Worker:
             self.driver.step(self._batch)
         if self._batch or self.driver.jobs:
             self._publish(self.driver.free_slots() if taking else 0)
+        self.metrics.tick(self.engine.stats)
 
     def _publish(self, free: int) -> None:
         """Sends the step's batch; in the same round trip, checks for cancellations and reads
