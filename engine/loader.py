@@ -8,6 +8,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.cpu_linear import can_pack, pack_linears
 from engine.models import MODEL_REGISTRY
 
 
@@ -55,4 +56,7 @@ def load_model(path: Path, config: PretrainedConfig, max_positions: int, dtype: 
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if can_pack(model):
+        pack_linears(model)
+    return model

@@ -1,4 +1,5 @@
-"""The numba CPU decode attention against the torch reference, and the engine on it."""
+"""The CPU fast path: the numba decode attention against the torch reference, the engine on
+it, and the oneDNN-packed linear layers."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ pytest.importorskip("numba")
 
 import kernels  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.cpu_linear import PackedLinear, can_pack, pack_linears  # noqa: E402
 from kernels import cpu_ops, reference  # noqa: E402
 
 
@@ -60,3 +62,25 @@ def test_engine_same_tokens_on_both_cpu_backends(tiny_llama, monkeypatch) -> Non
     monkeypatch.setattr(kernels, "default_backend", lambda device: "torch")
     slow = [o.outputs[0].token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
     assert fast == slow
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 160, bias=rows % 2 == 1)
+    x = torch.randn(rows, 96, generator=gen)
+    expected = linear(x)
+    model = torch.nn.Sequential(linear)
+    assert can_pack(model)
+    pack_linears(model)
+    assert isinstance(model[0], PackedLinear)
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_model_packs_all_but_tied_weights(tiny_llama3) -> None:
+    llm = LLM(str(tiny_llama3))
+    model = llm.engine.model_runner.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear)
+    assert isinstance(layer.mlp.down_proj, PackedLinear)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -1,0 +1,40 @@
+"""Linear layers with their weights prepacked for oneDNN, for float32 models on the CPU.
+
+``F.linear`` hands MKL a weight it repacks on every call; for decode-sized batches that copy of
+every weight costs about as much as the product itself (py-spy on SmolLM2: 21% of the CPU time
+in MKL's ``scopy`` against 24% in its kernel). oneDNN takes a weight packed once at load time.
+"""
+
+import torch
+from torch import nn
+
+_BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
+
+
+def can_pack(model: nn.Module) -> bool:
+    param = next(model.parameters())
+    return (param.device.type == "cpu" and param.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                              _BATCH_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Swaps every ``nn.Linear`` of ``model`` for a ``PackedLinear``, holding the weight only in
+    its packed form. A weight shared with an embedding (tied) stays as it is: packing would
+    hold it twice."""
+    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is nn.Linear and child.weight.data_ptr() not in shared:
+                setattr(module, name, PackedLinear(child))
