@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,27 +206,37 @@ def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, li
     return Result(f"hf-static B={batch_size}", seconds, cpu, wl.output_tokens), tokens
 
 
-def _cb_config(wl: Workload) -> Any:
+def _cb_config(wl: Workload, cuda_graph: bool | None) -> Any:
+    import dataclasses
+
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     # Room for every request at its full length at once (+1 page each), so nothing is evicted.
     pages = sum(-(-(len(p) + n) // CB_PAGE_SIZE) + 1 for p, n in zip(wl.prompts, wl.output_lens,
                                                                        strict=True))
-    return ContinuousBatchingConfig(
-        page_size=CB_PAGE_SIZE, num_blocks=pages, max_batch_tokens=PAGEDQ_MAX_BATCHED_TOKENS,
-        max_requests_per_batch=PAGEDQ_MAX_NUM_SEQS, auto_switch_to_flash=False,
-        use_cuda_graph=False, use_async_batching=False)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page = "page_size" if "page_size" in fields else "block_size"  # renamed after 5.17
+    wanted = {page: CB_PAGE_SIZE, "num_blocks": pages,
+              "max_batch_tokens": PAGEDQ_MAX_BATCHED_TOKENS,
+              "max_requests_per_batch": PAGEDQ_MAX_NUM_SEQS, "auto_switch_to_flash": False,
+              "use_cuda_graph": cuda_graph, "use_async_batching": False}
+    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
 
 
 @torch.inference_mode()
 def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
+    """On CUDA with transformers' own CUDA graphs (captured in its warm-up, untimed), as
+    pagedq uses its own; on the CPU without."""
     from transformers import GenerationConfig
 
+    cuda = model.device.type == "cuda"
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1,
                                   max_new_tokens=max(wl.output_lens))
-    with model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=_cb_config(wl),
-            warmup=False) as manager:
+    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False)}
+    if "warmup" in inspect.signature(model.continuous_batching_context_manager).parameters:
+        kwargs["warmup"] = cuda
+    with model.continuous_batching_context_manager(generation_config=gen_config,
+                                                   **kwargs) as manager:
         results, seconds, cpu = timed(lambda: _cb_generate(manager, wl))
     tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(wl.prompts))]
     _check_lengths("hf-cb", tokens, wl.output_lens)
