@@ -232,9 +232,10 @@ def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
     cuda = model.device.type == "cuda"
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1,
                                   max_new_tokens=max(wl.output_lens))
-    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False)}
-    if "warmup" in inspect.signature(model.continuous_batching_context_manager).parameters:
-        kwargs["warmup"] = cuda
+    accepted = inspect.signature(model.continuous_batching_context_manager).parameters
+    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False),
+              "warmup": cuda}
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # older transformers lack some
     with model.continuous_batching_context_manager(generation_config=gen_config,
                                                    **kwargs) as manager:
         results, seconds, cpu = timed(lambda: _cb_generate(manager, wl))
