@@ -153,8 +153,8 @@ def run_decode(name: str, batches: list[int], prompt_len: int, steps: int, bw: f
     from engine import LLM, SamplingParams
 
     path = model_path(name)
-    kwargs = {"cuda_graphs": True} if cuda_graphs else {}
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_seqs=max(batches), **kwargs)
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", max_num_seqs=max(batches),
+              enforce_eager=not cuda_graphs)
     engine = llm.engine
     runner = engine.model_runner
     weights = {p.data_ptr(): p.nbytes for p in runner.model.parameters()}
