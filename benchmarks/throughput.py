@@ -223,10 +223,10 @@ def _cb_config(wl: Workload, cuda_graph: bool | None) -> Any:
     return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
 
 
-@torch.inference_mode()
 def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
     """On CUDA with transformers' own CUDA graphs (captured in its warm-up, untimed), as
-    pagedq uses its own; on the CPU without."""
+    pagedq uses its own; on the CPU without. Not under inference_mode: the manager's thread
+    updates in place the static tensors that its warm-up creates in this one."""
     from transformers import GenerationConfig
 
     cuda = model.device.type == "cuda"
