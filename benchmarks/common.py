@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 RANDOM_MODEL_DIR = OUT_DIR / "random-llama-77m"
-MODELS = ("random", "smollm2")
+MODELS = ("random", "smollm2", "random-1b")
 T = TypeVar("T")
 
 
@@ -52,6 +52,16 @@ def _random_model() -> Path:
                                    init_std=0.05)
 
 
+def _random_model_1b() -> Path:
+    """Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64, MLP 8192)
+    with the random tokenizer's ~1000-token vocabulary: 0.97B parameters, for GPU runs."""
+    from engine.random_model import build_random_checkpoint
+
+    return build_random_checkpoint(OUT_DIR / "random-llama-1b", "llama", hidden_size=2048,
+                                   num_layers=16, num_heads=32, num_kv_heads=8,
+                                   intermediate_size=8192, init_std=0.02)
+
+
 def _default_model() -> Path:
     from engine.default_model import default_model_path
 
@@ -59,10 +69,12 @@ def _default_model() -> Path:
 
 
 def model_path(name: str) -> Path:
-    """The folder of the "random" 77M llama (built once under benchmarks/out) or of SmolLM2."""
+    """The folder of the "random" 77M or "random-1b" llama (built once under benchmarks/out)
+    or of SmolLM2."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-    return _retry(_random_model if name == "random" else _default_model, f"model {name}")
+    build = {"random": _random_model, "random-1b": _random_model_1b}.get(name, _default_model)
+    return _retry(build, f"model {name}")
 
 
 def set_threads(threads: int | None) -> int:

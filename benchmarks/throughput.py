@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAGEDQ_MAX_BATCHED_TOKENS = 2048
 PAGEDQ_MAX_NUM_SEQS = 256
 CB_PAGE_SIZE = 16  # tokens per page of transformers' paged cache, as pagedq's block_size
@@ -104,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf-cb", action="store_true")
     p.add_argument("--batch-sizes", default="8,16,32",
                    help="HF static batch sizes, comma-separated")
+    p.add_argument("--device", default="cpu", help="cpu or cuda, for every system")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     if not (0 < args.min_prompt <= args.max_prompt and 0 < args.min_output <= args.max_output):
@@ -124,14 +128,20 @@ def make_workload(path: Path, args: argparse.Namespace) -> Workload:
 # ----------------------------------------------------------------------------- pagedq
 
 
-def run_pagedq(path: Path, wl: Workload) -> tuple[Result, list[list[int]]]:
+def run_pagedq(path: Path, wl: Workload,
+               args: argparse.Namespace) -> tuple[Result, list[list[int]]]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=True,
+    llm = LLM(str(path), dtype=args.dtype, device=args.device, enable_prefix_caching=True,
               max_num_seqs=PAGEDQ_MAX_NUM_SEQS, max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
+    if args.device.startswith("cuda"):
+        # Triton compiles a variant per new specialisation (split or not, strides divisible by
+        # 16...): warm up on a full-length slice, reversed so that no prefix is cached.
+        llm.generate([p[::-1] for p in wl.prompts[:32]], params[:32], use_tqdm=False)
+    else:
+        llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4,
+                                                    ignore_eos=True), use_tqdm=False)
     outs, seconds, cpu = timed(lambda: llm.generate(wl.prompts, params))
     tokens = [o.outputs[0].token_ids for o in outs]
     _check_lengths("pagedq", tokens, wl.output_lens)
@@ -152,11 +162,12 @@ def _check_lengths(system: str, tokens: list[list[int]], expected: list[int]) ->
 # ----------------------------------------------------------------------------- transformers
 
 
-def load_hf(path: Path) -> Any:
+def load_hf(path: Path, args: argparse.Namespace) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype],
+                                                 attn_implementation="sdpa")
+    model = model.to(args.device).eval()
     model.generation_config.eos_token_id = None  # ignore_eos: only max_new_tokens stops
     return model
 
@@ -170,8 +181,9 @@ def _pad_id(model: Any) -> int:
 def _static_batch(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     width = max(map(len, prompts))
     pad = _pad_id(model)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                          max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad)
     if out.shape[1] != width + max_new:
@@ -194,27 +206,38 @@ def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, li
     return Result(f"hf-static B={batch_size}", seconds, cpu, wl.output_tokens), tokens
 
 
-def _cb_config(wl: Workload) -> Any:
+def _cb_config(wl: Workload, cuda_graph: bool | None) -> Any:
+    import dataclasses
+
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     # Room for every request at its full length at once (+1 page each), so nothing is evicted.
     pages = sum(-(-(len(p) + n) // CB_PAGE_SIZE) + 1 for p, n in zip(wl.prompts, wl.output_lens,
                                                                        strict=True))
-    return ContinuousBatchingConfig(
-        page_size=CB_PAGE_SIZE, num_blocks=pages, max_batch_tokens=PAGEDQ_MAX_BATCHED_TOKENS,
-        max_requests_per_batch=PAGEDQ_MAX_NUM_SEQS, auto_switch_to_flash=False,
-        use_cuda_graph=False, use_async_batching=False)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page = "page_size" if "page_size" in fields else "block_size"  # renamed after 5.17
+    wanted = {page: CB_PAGE_SIZE, "num_blocks": pages,
+              "max_batch_tokens": PAGEDQ_MAX_BATCHED_TOKENS,
+              "max_requests_per_batch": PAGEDQ_MAX_NUM_SEQS, "auto_switch_to_flash": False,
+              "use_cuda_graph": cuda_graph, "use_async_batching": False}
+    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
 
 
-@torch.inference_mode()
 def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
+    """On CUDA with transformers' own CUDA graphs (captured in its warm-up, untimed), as
+    pagedq uses its own; on the CPU without. Not under inference_mode: the manager's thread
+    updates in place the static tensors that its warm-up creates in this one."""
     from transformers import GenerationConfig
 
+    cuda = model.device.type == "cuda"
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1,
                                   max_new_tokens=max(wl.output_lens))
-    with model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=_cb_config(wl),
-            warmup=False) as manager:
+    accepted = inspect.signature(model.continuous_batching_context_manager).parameters
+    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False),
+              "warmup": cuda}
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # older transformers lack some
+    with model.continuous_batching_context_manager(generation_config=gen_config,
+                                                   **kwargs) as manager:
         results, seconds, cpu = timed(lambda: _cb_generate(manager, wl))
     tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(wl.prompts))]
     _check_lengths("hf-cb", tokens, wl.output_lens)
@@ -259,7 +282,7 @@ def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any
              ours.tok_cpu_s / r.tok_cpu_s, r.load] for r in results]
     static = [r for r in results if r.system.startswith("hf-static")]
     print(f"\n== throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} prompt "
-          f"+ {wl.output_tokens} output tokens, {threads} threads ==")
+          f"+ {wl.output_tokens} output tokens, {args.device} {args.dtype}, {threads} threads ==")
     print(format_table(["system", "seconds", "output tok/s", "pagedq x", "cpu s", "tok/cpu-s",
                         "pagedq x (cpu)", "load"], rows))
     print(f"pagedq x: pagedq's tok/s over the row's; (cpu): the same per CPU-second, steadier "
@@ -291,14 +314,16 @@ def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
     wl = make_workload(path, args)
     log(f"{name}: {len(wl.prompts)} requests, {wl.prompt_tokens} prompt tokens, "
         f"{wl.output_tokens} output tokens")
-    ours, our_tokens = run_pagedq(path, wl)
+    ours, our_tokens = run_pagedq(path, wl, args)
     gc.collect()  # the engine and its KV pool are garbage now
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand the KV pool back for transformers' caches
     log(f"pagedq: {ours.seconds:.1f}s, {ours.tok_s:.1f} tok/s")
     results, checks = [ours], {}
     if args.skip_hf_static and args.skip_hf_cb:
         report(name, wl, results, checks, args, threads)
         return
-    model = load_hf(path)
+    model = load_hf(path, args)
     _static_batch(model, wl.prompts[:2], 4)  # warm-up
     k = min(NUM_CHECKED, len(wl.prompts))
     for b in [] if args.skip_hf_static else args.batch_sizes:
@@ -319,7 +344,7 @@ def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     threads = set_threads(args.threads)
-    for name in MODELS if args.model == "both" else [args.model]:
+    for name in ("random", "smollm2") if args.model == "both" else [args.model]:
         bench_model(name, args, threads)
 
 

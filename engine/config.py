@@ -19,4 +19,5 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # None: the model's context length
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: run decode eagerly instead of replaying CUDA graphs
     seed: int = 0  # the global RNG, for requests without a seed of their own

@@ -71,7 +71,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # the draws of requests without a seed of their own
         self.model_runner = ModelRunner(
             path, hf_config, max_model_len=self.max_model_len, block_size=config.block_size,
-            num_kv_blocks=num_blocks, dtype=dtype, device=self.device)
+            num_kv_blocks=num_blocks, dtype=dtype, device=self.device,
+            cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 
 import kernels
 from engine.context import Context, DecodeGroup, set_context
+from engine.cuda_graph import DecodeGraphs
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -16,7 +17,9 @@ from engine.sequence import Sequence
 class ModelRunner:
     def __init__(self, path: Path, hf_config: PretrainedConfig, *, max_model_len: int,
                  block_size: int, num_kv_blocks: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, cuda_graph_max_batch: int = 0) -> None:
+        """``cuda_graph_max_batch`` > 0 on CUDA: decode steps up to that many sequences replay
+        CUDA graphs (``engine.cuda_graph``)."""
         self.block_size = block_size
         self.device = device
         self.model = load_model(path, hf_config, max_model_len, dtype, device)
@@ -28,6 +31,11 @@ class ModelRunner:
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+        self.graphs = None
+        if cuda_graph_max_batch > 0 and device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, cuda_graph_max_batch,
+                                       -(-max_model_len // block_size),
+                                       self.model.model.embed_tokens.embedding_dim, dtype, device)
 
     @staticmethod
     def block_bytes(hf_config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -106,11 +114,14 @@ class ModelRunner:
             kernels.copy_blocks(list(self.kv_cache.flatten(0, 1)),  # every layer's K and V
                                 self._tensor(batch.copies, torch.int64))
         input_ids, positions, ctx, logit_rows, sample_seqs = self._prepare(batch)
-        set_context(ctx)
-        try:
-            hidden = self.model(input_ids, positions)
-        finally:
-            set_context(None)
+        if self.graphs is not None and self.graphs.can_run(ctx, input_ids.shape[0]):
+            hidden = self.graphs.run(input_ids, positions, ctx)
+        else:
+            set_context(ctx)
+            try:
+                hidden = self.model(input_ids, positions)
+            finally:
+                set_context(None)
         if not sample_seqs:
             return [], hidden.new_empty(0, 0, dtype=torch.float32)
         logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])

@@ -226,7 +226,7 @@ def test_engine_greedy(tiny_llama: Path, make_llm: Callable[..., LLM],
         for backend in kernels._BACKENDS:
             monkeypatch.setitem(kernels._BACKENDS, backend, module)
         llm = make_llm(tiny_llama, device=DEVICE.type, max_num_batched_tokens=16,
-                       num_kv_blocks=32)
+                       num_kv_blocks=32, enforce_eager=True)  # the reference cannot be captured
         outs.append([[o.token_ids for o in r.outputs]
                      for r in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+import kernels
 from engine.attention import PagedAttention
 
 
@@ -20,7 +21,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Adds ``residual`` first (when given); returns the normed value and the new residual.
-        The arithmetic follows transformers' LlamaRMSNorm exactly (fp32 inside)."""
+        The arithmetic follows transformers' LlamaRMSNorm exactly (fp32 inside); on CUDA one
+        fused kernel computes it (``kernels.rms_norm``)."""
+        if x.is_cuda:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         x32 = x.float()
@@ -48,6 +52,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:  # one fused kernel for q and k (``kernels.rotary``)
+            return kernels.rotary(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
