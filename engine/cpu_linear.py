@@ -31,10 +31,10 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> None:
     """Swaps every ``nn.Linear`` of ``model`` for a ``PackedLinear``, holding the weight only in
-    its packed form. A weight shared with an embedding (tied) stays as it is: packing would
-    hold it twice."""
-    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
+    its packed form. A tied ``lm_head`` is packed too, its embedding kept for lookups: that
+    holds vocab x hidden floats twice (113 MB on SmolLM2) but spares repacking the largest
+    matrix at every step (12% of the CPU time on SmolLM2, py-spy)."""
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if type(child) is nn.Linear and child.weight.data_ptr() not in shared:
+            if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child))

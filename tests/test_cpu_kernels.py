@@ -77,10 +77,14 @@ def test_packed_linear_matches_linear(rows: int) -> None:
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_loaded_model_packs_all_but_tied_weights(tiny_llama3) -> None:
-    llm = LLM(str(tiny_llama3))
+def test_loaded_model_packs_every_linear(tiny_llama3) -> None:
+    llm = LLM(str(tiny_llama3))  # tied embeddings
     model = llm.engine.model_runner.model
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, PackedLinear)
     assert isinstance(layer.mlp.down_proj, PackedLinear)
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert isinstance(model.lm_head, PackedLinear)
+    ids = torch.tensor([3, 1, 4])
+    hidden = model.model.embed_tokens(ids)
+    torch.testing.assert_close(model.compute_logits(hidden),
+                               hidden @ model.model.embed_tokens.weight.T, atol=1e-4, rtol=1e-4)
