@@ -67,12 +67,13 @@ class LLMEngine:
                   or math.inf, config.max_model_len or math.inf]
         self.max_model_len = int(min(limits))
         self.vocab_size = hf_config.vocab_size
-        num_blocks = config.num_kv_blocks or self._fit_kv_blocks(hf_config, dtype)
         torch.manual_seed(config.seed)  # the draws of requests without a seed of their own
         self.model_runner = ModelRunner(
             path, hf_config, max_model_len=self.max_model_len, block_size=config.block_size,
-            num_kv_blocks=num_blocks, dtype=dtype, device=self.device,
+            num_kv_blocks=config.num_kv_blocks or (lambda: self._fit_kv_blocks(hf_config, dtype)),
+            dtype=dtype, device=self.device,
             cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs)
+        num_blocks = self.model_runner.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -88,10 +89,17 @@ class LLMEngine:
                  max_model_len=self.max_model_len)
 
     def _fit_kv_blocks(self, hf_config: Any, dtype: torch.dtype) -> int:
+        """Called once the weights are loaded. On CUDA, as vLLM: the engine may take
+        ``gpu_memory_utilization`` of the card's total memory; the pool gets what of that the
+        weights (and whatever else holds memory now) leave."""
         block_bytes = ModelRunner.block_bytes(hf_config, self.config.block_size, dtype)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.gpu_memory_utilization
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+            if budget < block_bytes:
+                raise ValueError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB "
+                                 f"free of {total / 2**30:.1f}; raise gpu_memory_utilization "
+                                 f"({self.config.gpu_memory_utilization}) or set num_kv_blocks")
         else:
             budget = self.config.kv_cache_memory_gib * 2**30
         # No use in more than every sequence slot filled to the context length.

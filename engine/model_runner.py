@@ -1,6 +1,7 @@
 """Runs the model on a scheduled batch: owns the KV pool and turns sequences into positions,
 ``slot_mapping``, block tables and context lengths."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,18 +17,20 @@ from engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, path: Path, hf_config: PretrainedConfig, *, max_model_len: int,
-                 block_size: int, num_kv_blocks: int, dtype: torch.dtype,
+                 block_size: int, num_kv_blocks: int | Callable[[], int], dtype: torch.dtype,
                  device: torch.device, cuda_graph_max_batch: int = 0) -> None:
-        """``cuda_graph_max_batch`` > 0 on CUDA: decode steps up to that many sequences replay
-        CUDA graphs (``engine.cuda_graph``)."""
+        """``num_kv_blocks``: a count, or a function that sizes the pool once the weights hold
+        their memory. ``cuda_graph_max_batch`` > 0 on CUDA: decode steps up to that many
+        sequences replay CUDA graphs (``engine.cuda_graph``)."""
         self.block_size = block_size
         self.device = device
         self.model = load_model(path, hf_config, max_model_len, dtype, device)
+        self.num_kv_blocks = num_kv_blocks if isinstance(num_kv_blocks, int) else num_kv_blocks()
         attn = self.model.model.layers[0].self_attn.attn
         num_layers = len(self.model.model.layers)
         # One pool for every layer's K and V, so that the whole cache is one allocation.
-        self.kv_cache = torch.zeros(2, num_layers, num_kv_blocks, block_size, attn.num_kv_heads,
-                                    attn.head_dim, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(2, num_layers, self.num_kv_blocks, block_size,
+                                    attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]

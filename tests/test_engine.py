@@ -168,3 +168,13 @@ def test_resume_continues_the_stream_exactly(tiny_llama, make_llm, steps) -> Non
         pieces = [s for d in whole for s in d.samples if s.index == i]
         assert published[i][0] == [t for p in pieces for t in p.token_ids]
         assert published[i][1] == "".join(p.text for p in pieces)
+
+
+def test_kv_pool_sized_from_the_memory_budget(tiny_llama, make_llm) -> None:
+    llm = make_llm(tiny_llama, kv_cache_memory_gib=0.001, block_size=16)
+    runner = llm.engine.model_runner
+    block_bytes = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
+    assert llm.stats()["kv_blocks_total"] == 2**30 * 0.001 // block_bytes == runner.num_kv_blocks
+    # never more than max_num_seqs sequences at the full context need
+    capped = make_llm(tiny_llama, kv_cache_memory_gib=1.0, max_num_seqs=2, max_model_len=100)
+    assert capped.stats()["kv_blocks_total"] == 2 * 7
