@@ -41,11 +41,12 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table
         for i in range(num_blocks):
             blk = block_tables[b, i]
             for j in range(min(block_size, length - i * block_size)):
-                for g in range(num_heads):
-                    s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += qs[g, d] * k_cache[blk, j, g // group, d]
-                    scores[g, i * block_size + j] = s
+                for h in range(num_kv_heads):  # no division in the loop: g // group is slow
+                    for g in range(h * group, (h + 1) * group):
+                        s = np.float32(0.0)
+                        for d in range(head_dim):
+                            s += qs[g, d] * k_cache[blk, j, h, d]
+                        scores[g, i * block_size + j] = s
         denom = np.zeros(num_heads, np.float32)
         for g in range(num_heads):
             top = scores[g, 0]
@@ -58,10 +59,11 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table
         for i in range(num_blocks):
             blk = block_tables[b, i]
             for j in range(min(block_size, length - i * block_size)):
-                for g in range(num_heads):
-                    p = scores[g, i * block_size + j]
-                    for d in range(head_dim):
-                        acc[g, d] += p * v_cache[blk, j, g // group, d]
+                for h in range(num_kv_heads):
+                    for g in range(h * group, (h + 1) * group):
+                        p = scores[g, i * block_size + j]
+                        for d in range(head_dim):
+                            acc[g, d] += p * v_cache[blk, j, h, d]
         for g in range(num_heads):
             for d in range(head_dim):
                 out[b, g, d] = acc[g, d] / denom[g]
