@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 RANDOM_MODEL_DIR = OUT_DIR / "random-llama-77m"
-MODELS = ("random", "smollm2", "random-1b")
+MODELS = ("random", "smollm2", "random-1b", "random-26m")
 T = TypeVar("T")
 
 
@@ -52,6 +52,16 @@ def _random_model() -> Path:
                                    init_std=0.05)
 
 
+def _random_model_26m() -> Path:
+    """hidden 512, 8 layers, 8 heads / 4 KV heads of 64, MLP 1536: the issue's smallest size,
+    for a 128-request CPU run that fits beside the SmolLM2 one."""
+    from engine.random_model import build_random_checkpoint
+
+    return build_random_checkpoint(OUT_DIR / "random-llama-26m", "llama", hidden_size=512,
+                                   num_layers=8, num_heads=8, num_kv_heads=4,
+                                   intermediate_size=1536, init_std=0.05)
+
+
 def _random_model_1b() -> Path:
     """Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64, MLP 8192)
     with the random tokenizer's ~1000-token vocabulary: 0.97B parameters, for GPU runs."""
@@ -69,11 +79,12 @@ def _default_model() -> Path:
 
 
 def model_path(name: str) -> Path:
-    """The folder of the "random" 77M or "random-1b" llama (built once under benchmarks/out)
-    or of SmolLM2."""
+    """The folder of a random llama ("random": 77M, "random-26m", "random-1b"; built once under
+    benchmarks/out) or of SmolLM2."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-    build = {"random": _random_model, "random-1b": _random_model_1b}.get(name, _default_model)
+    build = {"random": _random_model, "random-1b": _random_model_1b,
+             "random-26m": _random_model_26m}.get(name, _default_model)
     return _retry(build, f"model {name}")
 
 
