@@ -27,7 +27,6 @@ from transformers import PreTrainedTokenizerBase
 from engine.llm_engine import LLMEngine, Resume
 from engine.outputs import SampleDelta
 from engine.sampling_params import SamplingParams
-from producer import rq_mirror
 from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
 from worker.consumer import Consumer, Delivery
 from worker.publisher import Batch
@@ -81,7 +80,6 @@ class Driver:
     def __init__(self, engine: LLMEngine, consumer: Consumer, max_deliveries: int) -> None:
         self.engine = engine
         self.consumer = consumer
-        self.queue = consumer.queue
         self.max_deliveries = max_deliveries
         self.jobs: dict[str, _Running] = {}
 
@@ -133,8 +131,7 @@ class Driver:
             return
         self.engine.add_request(job.id, ids, params, job.priority, resume)
         self.jobs[job.id] = state
-        batch.call(lambda p: rq_mirror.mark_started(p, job.id, self.queue,
-                                                    self.consumer.name))
+        batch.mirror.started(job.id, self.consumer.name)
         bound.info("job started", prompt_tokens=len(ids), n=n,
                    resumed=resume is not None and any(state.tokens))
 
@@ -144,7 +141,7 @@ class Driver:
         acknowledging its entry, and a failed RQ record."""
         bound.warning("job failed", code=code, message=message)
         batch.event(job_id, start, Error(code=code, message=message), ack=entry_id)
-        batch.call(lambda p: rq_mirror.mark_failed(p, job_id, self.queue, f"{code}: {message}"))
+        batch.mirror.failed(job_id, f"{code}: {message}")
 
     def step(self, batch: Batch) -> None:
         try:
@@ -184,14 +181,14 @@ class Driver:
         usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=sum(state.tokens))
         state.emit(batch, End(usage=usage), ack=state.entry_id)
         if canceled:
-            batch.call(lambda p: rq_mirror.mark_canceled(p, job_id, self.queue))
+            batch.mirror.canceled(job_id)
         else:
             result = {"outputs": [{"index": i, "text": "".join(texts), "finish_reason": reason,
                                    "completion_tokens": tokens} for i, (texts, reason, tokens)
                                   in enumerate(zip(state.texts, state.reasons, state.tokens,
                                                    strict=True))],
                       "usage": usage.model_dump()}
-            batch.call(lambda p: rq_mirror.mark_finished(p, job_id, self.queue, result))
+            batch.mirror.finished(job_id, result)
         state.log.info("job ended", canceled=canceled, completion_tokens=usage.completion_tokens)
 
     def stop(self, job_id: str, reason: str, batch: Batch) -> None:

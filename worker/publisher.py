@@ -1,6 +1,8 @@
 """One pipelined round trip per engine step: every job's new events with their
-acknowledgements, the RQ mirror's transitions, the check for cancellations and the read of the
-next jobs.
+acknowledgements, other commands (dead letters, acknowledgements), the check for cancellations
+and the read of the next jobs, in one transaction, waited for. The step's RQ mirror transitions
+follow in one script call on a connection of their own, not waited for: their reply is read
+before the next ones are sent, so Redis applies them while the engine computes the next step.
 
 Each job's events are appended by a Lua script only if the job's result stream still holds
 exactly as many events as this worker last saw (a fence): of two workers that both think they
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import redis
 import structlog
 from redis.client import Pipeline
+from redis.connection import AbstractConnection
 
 from producer.protocol import (
     EVENT_FIELD,
@@ -27,7 +30,8 @@ from producer.protocol import (
     queue_key,
     results_key,
 )
-from worker.connection import retry
+from producer.rq_transitions import Transitions
+from worker.connection import DOWN, retry
 
 log = structlog.get_logger()
 
@@ -70,6 +74,7 @@ class Batch:
     """What one round trip writes; built by the driver, sent by the publisher."""
 
     appends: dict[str, _Append] = field(default_factory=dict)
+    mirror: Transitions = field(default_factory=Transitions)  # RQ transitions, after the events
     calls: list[Callable[[Pipeline], object]] = field(default_factory=list)
 
     def event(self, job_id: str, start: int, event: Chunk | Done | End | Error,
@@ -81,11 +86,11 @@ class Batch:
         append.ack = append.ack or ack
 
     def call(self, add: Callable[[Pipeline], object]) -> None:
-        """Another command (an RQ mirror transition, a dead letter...), after the events."""
+        """Another command (a dead letter, an acknowledgement...), after the events."""
         self.calls.append(add)
 
     def __bool__(self) -> bool:
-        return bool(self.appends or self.calls)
+        return bool(self.appends or self.mirror or self.calls)
 
 
 @dataclass
@@ -102,12 +107,16 @@ class Publisher:
         self.queue = queue
         self.result_ttl = result_ttl
         self.give_up = give_up
+        self._mirror: AbstractConnection | None = None  # the mirror's own connection
+        self._in_flight: Transitions | None = None  # sent on it, reply not read yet
+        self._unsent = False  # sending those failed: collect() sends them again
 
     def flush(self, batch: Batch, watch: Iterable[str],
               read: Callable[[Pipeline], object] | None = None) -> Flushed:
         """Sends ``batch``, asks which of the ``watch`` jobs are canceled and adds the ``read``
         command, in one transaction; re-sent until Redis answers (the fence makes that safe;
-        jobs a lost reply had read stay pending, and come back by reclaim)."""
+        jobs a lost reply had read stay pending, and come back by reclaim). Then sends the
+        batch's RQ transitions, but those of superseded jobs, without waiting."""
         watch = list(watch)
         job_ids = list(batch.appends)
         tries = 0
@@ -132,11 +141,61 @@ class Publisher:
 
         replies = retry(send, "publish", self.give_up)
         read_reply = replies.pop() if read else None
-        for reply in replies:  # a failed mirror or ack command must not stop the stream
+        for reply in replies:  # a failed ack or dead letter must not stop the stream
             if isinstance(reply, Exception):
                 log.error("redis command failed", error=str(reply))
         status = replies[0] if job_ids else []
         canceled = replies[-1] if watch else []
-        return Flushed({j for j, ok in zip(job_ids, status, strict=True) if not ok},
+        superseded = {j for j, ok in zip(job_ids, status, strict=True) if not ok}
+        batch.mirror.discard(superseded)
+        self.collect()
+        if batch.mirror:
+            try:
+                self._send(batch.mirror)
+            except DOWN as exc:
+                log.warning("redis unavailable", during="rq mirror", error=str(exc))
+        return Flushed(superseded,
                        {j for j, flag in zip(watch, canceled, strict=True) if flag is not None},
                        read_reply)
+
+    def collect(self) -> None:
+        """Waits for the reply of the RQ transitions in flight, sending them again until Redis
+        answers (re-applying a transition changes no count)."""
+        transitions = self._in_flight
+        if transitions is None:
+            return
+        try:
+            if self._unsent:
+                raise redis.ConnectionError("not sent")
+            reply = self._receive()
+        except DOWN as exc:
+            log.warning("redis unavailable", during="rq mirror", error=str(exc))
+            reply = retry(lambda: self._send(transitions) or self._receive(), "rq mirror",
+                          self.give_up)
+        except redis.ResponseError as exc:
+            reply = exc
+        if isinstance(reply, Exception):  # the mirror is a view: never stop the streams
+            log.error("rq mirror update failed", error=str(reply))
+        self._in_flight = None
+
+    def close(self) -> None:
+        """Reads the last reply (if Redis answers before the worker must stop) and gives the
+        mirror's connection back."""
+        if self._mirror is not None:
+            self.collect()
+            self.conn.connection_pool.release(self._mirror)
+            self._mirror = None
+
+    def _send(self, transitions: Transitions) -> None:
+        self._in_flight, self._unsent = transitions, True
+        pipe = self.conn.pipeline(transaction=False)  # only to build the command
+        transitions.add_to(pipe, self.queue)
+        if self._mirror is None:
+            self._mirror = self.conn.connection_pool.get_connection()
+        self._mirror.send_packed_command(self._mirror.pack_commands(
+            [args for args, _ in pipe.command_stack]))
+        self._unsent = False
+
+    def _receive(self) -> object:
+        assert self._mirror is not None
+        return self._mirror.read_response()

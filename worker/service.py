@@ -61,9 +61,10 @@ class Worker:
             for job_id in list(self.driver.jobs):
                 self.driver.drop(job_id, "worker stopping: left pending for a peer")
             try:
+                self.publisher.close()
                 self.consumer.leave()
                 rq_mirror.unregister_worker(self.conn, self.name)
-            except DOWN:
+            except (*DOWN, GaveUp):
                 self.log.warning("could not unregister: redis unavailable")
             self.log.info("worker stopped")
 
