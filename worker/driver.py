@@ -141,8 +141,10 @@ class Driver:
         self.engine.add_request(job.id, ids, params, job.priority, resume)
         self.jobs[job.id] = state
         batch.mirror.started(job.id, self.consumer.name)
-        bound.info("job started", prompt_tokens=len(ids), n=n,
-                   resumed=resume is not None and any(state.token_ids))
+        resumed = resume is not None and any(state.token_ids)
+        # One INFO line per job ("job ended") keeps logging cheap at thousands of jobs/s.
+        (bound.info if resumed else bound.debug)("job started", prompt_tokens=len(ids), n=n,
+                                                 resumed=resumed)
 
     def _fail(self, job_id: str, entry_id: str, start: int, code: str, message: str,
               batch: Batch, bound: Any) -> None:
@@ -205,7 +207,9 @@ class Driver:
                                                    strict=True))],
                       "usage": usage.model_dump()}
             batch.mirror.finished(job_id, result)
-        state.log.info("job ended", canceled=canceled, completion_tokens=usage.completion_tokens)
+        state.log.info("job ended", canceled=canceled, n=len(state.reasons),
+                       prompt_tokens=usage.prompt_tokens,
+                       completion_tokens=usage.completion_tokens)
 
     def stop(self, job_id: str, reason: str, batch: Batch, stepped: bool = False) -> None:
         """Ends a job now, freeing its blocks at once: ``abort`` or ``deadline``. ``stepped``:
