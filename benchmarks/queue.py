@@ -291,7 +291,9 @@ def instrument(worker: Worker, timers: Timers, patches: Patches) -> None:
     parts = [("tick", worker, "_tick"), ("claims", worker.consumer, "inspect"),
              ("claims", worker.consumer, "refresh"), ("claims", worker.consumer, "reclaim"),
              ("admit", worker.driver, "admit"), ("driver.step", worker.driver, "step"),
-             ("engine.step", worker.engine, "step"), ("flush", worker.publisher, "flush")]
+             ("engine.step", worker.engine, "step"), ("flush", worker.publisher, "flush"),
+             ("flush", worker.publisher, "send"), ("collect", worker.publisher, "collect"),
+             ("emit", worker.driver, "emit")]
     for label, obj, name in parts:
         if hasattr(obj, name):
             patches.wrap(obj, name, timers.wrapper(label))
@@ -308,10 +310,12 @@ def instrument(worker: Worker, timers: Timers, patches: Patches) -> None:
 
 
 def breakdown(timers: Timers) -> dict[str, dict[str, float]]:
-    """The worker loop's seconds by part; ``events`` is the driver's share of its step."""
+    """The worker loop's seconds by part; ``events``: the driver's share of its step and its
+    emitting; ``flush``: publishing (sending a round trip, reading its reply)."""
     s, n = timers.seconds, timers.calls
-    parts = {"engine.step": s["engine.step"], "events": s["driver.step"] - s["engine.step"],
-             "admit": s["admit"], "flush": s["flush"], "read": s["read"],
+    parts = {"engine.step": s["engine.step"],
+             "events": s["driver.step"] - s["engine.step"] + s["emit"],
+             "admit": s["admit"], "flush": s["flush"] + s["collect"], "read": s["read"],
              "claims": s["claims"], "idle": s["idle"]}
     parts["other"] = s["tick"] - sum(parts.values())
     calls = {"engine.step": n["engine.step"], "flush": n["flush"], "read": n["read"],

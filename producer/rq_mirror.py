@@ -23,6 +23,9 @@ is a view: the streams are the source of truth. Its keys, all RQ's:
   ``state``), which expire unless heartbeats come. ``current_job`` is never set: rq-dashboard's
   worker view fetches it with the pickle serializer and breaks on JSON jobs.
 
+The job transitions (queued -> started -> finished / failed / canceled) are
+``producer.rq_transitions``: one script call for many jobs.
+
 ``enqueue_ops`` is also pagedq's submit: one Lua script that, atomically, refuses the batch when
 the queue is full, skips ids already submitted (so a retried or resumed submit is idempotent),
 appends each job to the stream and creates its RQ record.
@@ -32,9 +35,6 @@ import json
 import os
 import socket
 import sys
-import time
-import zlib
-from base64 import b64encode
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -162,59 +162,6 @@ def enqueue_reply(reply: list[int], queue: str, max_queue_len: int | None) -> li
     if reply[0] == -1:
         raise QueueFull(queue, int(reply[1]), max_queue_len or 0)
     return [bool(flag) for flag in reply[1:]]
-
-
-def _composite(job_id: str) -> str:
-    return f"{job_id}:{EXECUTION}"
-
-
-def mark_started(pipe: Any, job_id: str, queue: str, worker_name: str) -> None:
-    """Queued -> started, by ``worker_name``. Re-marking (a reclaim by a peer) is harmless."""
-    now = timestamp()
-    pipe.lrem(rq_queue_key(queue), 0, job_id)
-    pipe.zadd(registry_key("wip", queue), {_composite(job_id): "+inf"})
-    pipe.hset(job_key(job_id), mapping={"status": "started", "started_at": now,
-                                        "last_heartbeat": now, "worker_name": worker_name})
-
-
-def _end(pipe: Any, job_id: str, queue: str, status: str, ttl: int,
-         fields: dict[str, Any], result: dict[str, Any] | None) -> None:
-    now = time.time()
-    pipe.lrem(rq_queue_key(queue), 0, job_id)
-    pipe.zrem(registry_key("wip", queue), _composite(job_id))
-    for kind in ("finished", "failed", "canceled"):
-        key = registry_key(kind, queue)
-        if kind == status:
-            pipe.zadd(key, {job_id: now + ttl})
-            pipe.zremrangebyscore(key, 0, now)  # records already expired, as RQ's cleanup does
-        else:
-            pipe.zrem(key, job_id)
-    pipe.hset(job_key(job_id), mapping={"status": status, "ended_at": timestamp(now), **fields})
-    pipe.expire(job_key(job_id), ttl)
-    if result is not None:
-        pipe.xadd(f"rq:results:{job_id}", result, maxlen=10)
-        pipe.expire(f"rq:results:{job_id}", ttl)
-
-
-def mark_finished(pipe: Any, job_id: str, queue: str, result: dict[str, Any],
-                  ttl: int = RESULT_TTL) -> None:
-    """-> finished; ``result`` (JSON-able) becomes the RQ job's return value."""
-    value = b64encode(json.dumps(result).encode()).decode()
-    _end(pipe, job_id, queue, "finished", ttl, {},
-         {"type": 1, "worker_name": "", "return_value": value})
-
-
-def mark_failed(pipe: Any, job_id: str, queue: str, message: str,
-                ttl: int = FAILURE_TTL) -> None:
-    """-> failed; ``message`` is shown as the RQ job's exception."""
-    packed = zlib.compress(message.encode())
-    _end(pipe, job_id, queue, "failed", ttl, {"exc_info": packed},
-         {"type": 2, "worker_name": "", "exc_string": b64encode(packed).decode()})
-
-
-def mark_canceled(pipe: Any, job_id: str, queue: str, ttl: int = RESULT_TTL) -> None:
-    """-> canceled."""
-    _end(pipe, job_id, queue, "canceled", ttl, {}, None)
 
 
 def register_worker(conn: Any, name: str, queues: list[str], ttl: int) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import rq_mirror
+from producer import rq_mirror, rq_transitions
 from producer.protocol import (
     GROUP,
     Chunk,
@@ -92,7 +92,7 @@ class FakeWorker:
             return False
         entry_id, fields = reply[0][1][0]
         job = Job.model_validate_json(fields["job"])
-        self._pipe(lambda p: rq_mirror.mark_started(p, job.id, self.queue, self.name))
+        self._pipe(lambda p: rq_transitions.mark_started(p, job.id, self.queue, self.name))
         out = results_key(job.id)
 
         def publish(event: Chunk | Done | End | Error) -> None:
@@ -101,7 +101,7 @@ class FakeWorker:
 
         if "FAIL" in str(job.prompt):
             publish(Error(code="invalid_request", message="the prompt asked to fail"))
-            self._pipe(lambda p: rq_mirror.mark_failed(p, job.id, self.queue, "asked to fail"))
+            self._pipe(lambda p: rq_transitions.mark_failed(p, job.id, self.queue, "asked to fail"))
         else:
             prompt_tokens = len(str(job.prompt or job.messages))
             n_tokens = min(job.sampling.max_tokens or 4, 4)
@@ -121,10 +121,10 @@ class FakeWorker:
             publish(End(usage=Usage(prompt_tokens=prompt_tokens,
                                     completion_tokens=job.sampling.n * n_tokens)))
             if aborted:
-                self._pipe(lambda p: rq_mirror.mark_canceled(p, job.id, self.queue))
+                self._pipe(lambda p: rq_transitions.mark_canceled(p, job.id, self.queue))
             else:
                 result = {"texts": [f"sample {i}" for i in range(job.sampling.n)]}
-                self._pipe(lambda p: rq_mirror.mark_finished(p, job.id, self.queue, result))
+                self._pipe(lambda p: rq_transitions.mark_finished(p, job.id, self.queue, result))
         self.conn.xack(self.key, GROUP, entry_id)
         return True
 

@@ -81,9 +81,8 @@ def test_batch_resumes_and_reattaches(redis_url: str, make_fake_worker, tmp_path
     assert main([*args, "--max-in-flight", "2", "--timeout", "0.3"]) == 1
     conn = redis.Redis.from_url(redis_url)
     assert conn.xlen(queue_key("default")) == 2 and output.read_text() == ""
-    # line 1's job: the two lanes submit concurrently, so it need not be the stream's first
-    [line1] = [i for i in redis_ids(conn) if i.endswith("-1")]
-    first = json.dumps({"line": 1, "id": line1, "status": "finished", "outputs": []})
+    line_1 = next(i for i in redis_ids(conn) if i.endswith("-1"))  # lanes submit in any order
+    first = json.dumps({"line": 1, "id": line_1, "status": "finished", "outputs": []})
     output.write_text(first + '\n{"line": 2, "i')
     make_fake_worker().start()
     assert main(args) == 0

@@ -4,7 +4,7 @@
 import pytest
 import redis
 
-from producer import Client, rq_mirror
+from producer import Client, rq_mirror, rq_transitions
 
 rq = pytest.importorskip("rq")
 rq_dashboard = pytest.importorskip("rq_dashboard")
@@ -43,7 +43,7 @@ def lifecycle(redis_url: str, make_fake_worker) -> dict[str, str]:
     conn = redis.Redis.from_url(redis_url)
     conn.xreadgroup("workers", "gpu-0", {"pagedq:queue:default": ">"}, count=1)
     with conn.pipeline() as pipe:
-        rq_mirror.mark_started(pipe, ids["started"], "default", "gpu-0")
+        rq_transitions.mark_started(pipe, ids["started"], "default", "gpu-0")
         pipe.execute()
     ids["queued"] = client.submit([1, 2, 3], temperature=0, job_id="queued-job").id
     return ids
@@ -71,13 +71,13 @@ def test_rq_reads_the_mirror(redis_url: str, lifecycle: dict[str, str]) -> None:
 def test_re_marking_is_harmless(redis_url: str, lifecycle: dict[str, str]) -> None:
     conn = redis.Redis.from_url(redis_url)
     with conn.pipeline() as pipe:
-        rq_mirror.mark_started(pipe, "started-job", "default", "gpu-1")  # a peer reclaims it
-        rq_mirror.mark_finished(pipe, "finished-job", "default", {"again": True})
-        rq_mirror.mark_canceled(pipe, "canceled-job", "default")
+        rq_transitions.mark_started(pipe, "started-job", "default", "gpu-1")  # a peer reclaims it
+        rq_transitions.mark_finished(pipe, "finished-job", "default", {"again": True})
+        rq_transitions.mark_canceled(pipe, "canceled-job", "default")
         pipe.execute()
     assert counts(conn) == {"queued": 1, "started": 1, "finished": 1, "failed": 1, "canceled": 1}
     with conn.pipeline() as pipe:  # the reclaimed job ends
-        rq_mirror.mark_finished(pipe, "started-job", "default", {"done": 1})
+        rq_transitions.mark_finished(pipe, "started-job", "default", {"done": 1})
         pipe.execute()
     assert counts(conn)["started"] == 0 and counts(conn)["finished"] == 2
 

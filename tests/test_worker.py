@@ -151,7 +151,8 @@ def test_results_equal_llm_generate_and_stream_in_order(redis_url, tiny_llama) -
 def test_cancel_aborts_within_one_step(redis_url, tiny_llama) -> None:
     client = Client(redis_url, queue=QUEUE)
     with serving(redis_url, tiny_llama) as worker:
-        job = client.submit("The queue", n=2, max_tokens=1500, ignore_eos=True, temperature=0)
+        job = client.submit("The queue", n=2, max_tokens=1500, ignore_eos=True, temperature=0,
+                            stop=["<no stop string>"])  # holds text back: sent at the end
         wait_for(lambda: len(events_of(client.redis, job.id)) >= 6, what="first chunks")
         with client.redis.pipeline(transaction=True) as pipe:  # where the stream was then
             pipe.set(cancel_key(job.id), 1).xlen(results_key(job.id))
@@ -165,6 +166,8 @@ def test_cancel_aborts_within_one_step(redis_url, tiny_llama) -> None:
     assert [o.finish_reason for o in result.outputs] == ["abort", "abort"]
     assert result.status == "canceled" and job.status() == "canceled"
     assert all(0 < len(o.token_ids) < 1500 for o in result.outputs)
+    for out in result.outputs:  # the text held back is sent, that of tokens not sent is not
+        assert out.text == worker.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
 def test_deadline_ends_the_job(redis_url, tiny_llama) -> None:
@@ -181,16 +184,16 @@ def test_deadline_ends_the_job(redis_url, tiny_llama) -> None:
 
 def test_publisher_fence_applies_a_resent_write_once(redis_url, monkeypatch) -> None:
     publisher = Publisher(connect(redis_url), QUEUE, 60, give_up=lambda: False)
-    execute, lost = redis.client.Pipeline.execute, []
+    receive, lost = Publisher._receive, []
 
-    def lose_first_reply(pipe: redis.client.Pipeline, **kwargs: Any) -> list:
-        reply = execute(pipe, **kwargs)
+    def lose_first_reply(self: Publisher) -> list:
+        reply = receive(self)
         if not lost:
             lost.append(reply)
             raise redis.ConnectionError("the reply was lost")
         return reply
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", lose_first_reply)
+    monkeypatch.setattr(Publisher, "_receive", lose_first_reply)
     batch = Batch()
     for seq in range(2):
         batch.event("j", seq, Chunk(sample=0, seq=seq, text="x", token_ids=[seq]))

@@ -12,7 +12,9 @@ becomes result events, RQ mirror transitions and acknowledgements in a Batch.
   published exactly once.
 - Cancel (`abort`) and deadline (`deadline`) abort the request at once (its blocks are freed),
   send the text it held back, a `done` for every unfinished sample and `end`. RQ: canceled for
-  a cancel; finished for a deadline (the job has its output, as the client's status says).
+  a cancel; finished for a deadline (the job has its output, as the client's status says). A
+  cancel is learnt from the round trip that ran during a step: that step's tokens of the job
+  are dropped, never published, so a reader gets at most the step under way when it landed.
 - Refusals: an invalid job is `invalid_job`, one the engine refuses `invalid_request`, an
   unexpected exception `internal`; each fails that job only.
 """
@@ -24,10 +26,10 @@ from typing import Any
 import structlog
 from transformers import PreTrainedTokenizerBase
 
+from engine.detokenizer import Detokenizer
 from engine.llm_engine import LLMEngine, Resume
-from engine.outputs import SampleDelta
+from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling_params import SamplingParams
-from producer import rq_mirror
 from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
 from worker.consumer import Consumer, Delivery
 from worker.metrics import Metrics
@@ -50,12 +52,13 @@ class _Running:
     """A job in the engine and what its result stream holds (or will, once flushed)."""
 
     job: Job
+    params: SamplingParams
     entry_id: str
     log: Any
     prompt_tokens: int
     written: int  # events in the result stream
     seq: list[int]  # per sample: the number of its next chunk
-    tokens: list[int]  # per sample: output tokens so far
+    token_ids: list[list[int]]  # per sample: its output tokens so far
     texts: list[list[str]]  # per sample: its text, in pieces (for the RQ result)
     reasons: list[str | None] = field(default_factory=list)  # per sample, once done
 
@@ -65,17 +68,23 @@ class _Running:
 
     def replay(self, events: list[Event]) -> list[Resume | None]:
         """Takes up what an earlier delivery published; returns where each sample resumes."""
-        token_ids: list[list[int]] = [[] for _ in self.seq]
         for event in events:
             if isinstance(event, Chunk):
                 self.seq[event.sample] = event.seq + 1
-                self.tokens[event.sample] += len(event.token_ids)
+                self.token_ids[event.sample] += event.token_ids
                 self.texts[event.sample].append(event.text)
-                token_ids[event.sample] += event.token_ids
             elif isinstance(event, Done):
                 self.reasons[event.sample] = event.finish_reason
-        return [None if reason else Resume(ids, sum(map(len, texts)))
-                for reason, ids, texts in zip(self.reasons, token_ids, self.texts, strict=True)]
+        return [None if reason else Resume(list(ids), sum(map(len, texts))) for reason, ids, texts
+                in zip(self.reasons, self.token_ids, self.texts, strict=True)]
+
+    def held_back(self, i: int, tokenizer: PreTrainedTokenizerBase) -> str:
+        """The text of sample ``i``'s published tokens not published yet: what its detokenizer
+        held back then, rebuilt token by token as a resumed sample's is (exact, O(tokens): ~10
+        us a token, paid only by a cancel that lands while its job is stepped)."""
+        detokenizer = Detokenizer(tokenizer, self.params)
+        detokenizer.resume(self.token_ids[i], sum(map(len, self.texts[i])))
+        return detokenizer.pop_delta(finished=True)
 
 
 class Driver:
@@ -83,7 +92,6 @@ class Driver:
                  metrics: Metrics) -> None:
         self.engine = engine
         self.consumer = consumer
-        self.queue = consumer.queue
         self.max_deliveries = max_deliveries
         self.metrics = metrics
         self.jobs: dict[str, _Running] = {}
@@ -128,8 +136,8 @@ class Driver:
         ids = prompt_token_ids(self.engine.tokenizer, job)
         params = SamplingParams(**job.sampling.model_dump())
         n = params.n
-        state = _Running(job, d.entry_id, bound, len(ids), d.written, [0] * n, [0] * n,
-                         [[] for _ in range(n)], [None] * n)
+        state = _Running(job, params, d.entry_id, bound, len(ids), d.written, [0] * n,
+                         [[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
         resume = state.replay(d.events) if d.events else None
         if resume is not None and all(r is None for r in resume):
             self._end(state, batch, canceled=False)  # its samples had all finished
@@ -137,10 +145,11 @@ class Driver:
         self.engine.add_request(job.id, ids, params, job.priority, resume)
         self.jobs[job.id] = state
         self.metrics.job_started(job.id)
-        batch.call(lambda p: rq_mirror.mark_started(p, job.id, self.queue,
-                                                    self.consumer.name))
-        bound.info("job started", prompt_tokens=len(ids), n=n,
-                   resumed=resume is not None and any(state.tokens))
+        batch.mirror.started(job.id, self.consumer.name)
+        resumed = resume is not None and any(state.token_ids)
+        # One INFO line per job ("job ended") keeps logging cheap at thousands of jobs/s.
+        (bound.info if resumed else bound.debug)("job started", prompt_tokens=len(ids), n=n,
+                                                 resumed=resumed)
 
     def _fail(self, job_id: str, entry_id: str, start: int, code: str, message: str,
               batch: Batch, bound: Any) -> None:
@@ -149,11 +158,13 @@ class Driver:
         bound.warning("job failed", code=code, message=message)
         self.metrics.job_ended(job_id, "dead_letter" if code == "dead_letter" else "failed")
         batch.event(job_id, start, Error(code=code, message=message), ack=entry_id)
-        batch.call(lambda p: rq_mirror.mark_failed(p, job_id, self.queue, f"{code}: {message}"))
+        batch.mirror.failed(job_id, f"{code}: {message}")
 
-    def step(self, batch: Batch) -> None:
+    def step(self, batch: Batch) -> list[RequestDelta]:
+        """One engine step. Its deltas are published by ``emit``, once the caller knows which
+        jobs were canceled or taken over while the engine computed."""
         try:
-            deltas = self.engine.step()
+            return self.engine.step()
         except Exception as exc:  # cannot tell whose request broke it: fail them all
             log.exception("engine step failed")
             for job_id, state in list(self.jobs.items()):
@@ -161,11 +172,15 @@ class Driver:
                 del self.jobs[job_id]
                 self._fail(job_id, state.entry_id, state.written, "internal",
                            f"{type(exc).__name__}: {exc}", batch, state.log)
-            return
-        self.metrics.job_tokens(d.request_id for d in deltas
-                                if any(s.token_ids for s in d.samples))
+            return []
+
+    def emit(self, deltas: list[RequestDelta], batch: Batch) -> None:
+        self.metrics.job_tokens(d.request_id for d in deltas if d.request_id in self.jobs
+                                and any(s.token_ids for s in d.samples))
         for delta in deltas:
-            state = self.jobs[delta.request_id]
+            state = self.jobs.get(delta.request_id)
+            if state is None:  # stopped or dropped since the step: its tokens stay unpublished
+                continue
             for sample in delta.samples:
                 self._emit(state, sample, sample.finish_reason, batch)
             if delta.finished:
@@ -178,41 +193,46 @@ class Driver:
             state.emit(batch, Chunk(sample=i, seq=state.seq[i], text=sample.text,
                                     token_ids=sample.token_ids, logprobs=sample.logprobs))
             state.seq[i] += 1
-            state.tokens[i] += len(sample.token_ids)
+            state.token_ids[i] += sample.token_ids
             state.texts[i].append(sample.text)
         if reason is not None:
             state.reasons[i] = reason
             state.emit(batch, Done(sample=i, finish_reason=reason, usage=Usage(
-                prompt_tokens=state.prompt_tokens, completion_tokens=state.tokens[i])))
+                prompt_tokens=state.prompt_tokens, completion_tokens=len(state.token_ids[i]))))
 
     def _end(self, state: _Running, batch: Batch, canceled: bool) -> None:
         job_id = state.job.id
         self.jobs.pop(job_id, None)
-        usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=sum(state.tokens))
+        usage = Usage(prompt_tokens=state.prompt_tokens,
+                      completion_tokens=sum(map(len, state.token_ids)))
         self.metrics.job_ended(job_id, "canceled" if canceled else "finished")
         state.emit(batch, End(usage=usage), ack=state.entry_id)
         if canceled:
-            batch.call(lambda p: rq_mirror.mark_canceled(p, job_id, self.queue))
+            batch.mirror.canceled(job_id)
         else:
             result = {"outputs": [{"index": i, "text": "".join(texts), "finish_reason": reason,
-                                   "completion_tokens": tokens} for i, (texts, reason, tokens)
-                                  in enumerate(zip(state.texts, state.reasons, state.tokens,
+                                   "completion_tokens": len(ids)} for i, (texts, reason, ids)
+                                  in enumerate(zip(state.texts, state.reasons, state.token_ids,
                                                    strict=True))],
                       "usage": usage.model_dump()}
-            batch.call(lambda p: rq_mirror.mark_finished(p, job_id, self.queue, result))
-        state.log.info("job ended", canceled=canceled, completion_tokens=usage.completion_tokens)
+            batch.mirror.finished(job_id, result)
+        state.log.info("job ended", canceled=canceled, n=len(state.reasons),
+                       prompt_tokens=usage.prompt_tokens,
+                       completion_tokens=usage.completion_tokens)
 
-    def stop(self, job_id: str, reason: str, batch: Batch) -> None:
-        """Ends a job now, freeing its blocks at once: ``abort`` or ``deadline``."""
+    def stop(self, job_id: str, reason: str, batch: Batch, stepped: bool = False) -> None:
+        """Ends a job now, freeing its blocks at once: ``abort`` or ``deadline``. ``stepped``:
+        the engine stepped it since its last emitted delta; that step's tokens are never
+        published (a cancel then stops it within the step under way when it landed)."""
         state = self.jobs.get(job_id)
         if state is None:
             return
         delta = self.engine.abort(job_id)
-        for sample in delta.samples if delta else []:  # the text it held back
-            self._emit(state, sample, None, batch)
+        held = {} if stepped or delta is None else {s.index: s.text for s in delta.samples}
         for i, done in enumerate(state.reasons):
-            if done is None:  # samples not forked yet are in no delta
-                self._emit(state, SampleDelta(i, [], ""), reason, batch)
+            if done is None:  # with the text it held back (samples not forked have none)
+                text = state.held_back(i, self.engine.tokenizer) if stepped else held.get(i, "")
+                self._emit(state, SampleDelta(i, [], text), reason, batch)
         self._end(state, batch, canceled=reason == "abort")
 
     def stop_overdue(self, batch: Batch) -> None:

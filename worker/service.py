@@ -1,5 +1,6 @@
-"""The worker's loop: take what the engine can admit, step it, publish the step in one round
-trip; keep in-flight jobs claimed, take over silent peers' jobs, heartbeat; stop gracefully."""
+"""The worker's loop: take what the engine can admit, step it while Redis applies the previous
+step's round trip, publish the step in one round trip; keep in-flight jobs claimed, take over
+silent peers' jobs, heartbeat; stop gracefully."""
 
 import time
 
@@ -12,7 +13,7 @@ from worker.connection import DOWN, GaveUp, connect, retry
 from worker.consumer import Consumer, Delivery
 from worker.driver import Driver
 from worker.metrics import Metrics
-from worker.publisher import Batch, Publisher
+from worker.publisher import Batch, Flushed, Publisher
 
 log = structlog.get_logger()
 IDLE_BLOCK_MS = 500  # how long an idle worker waits for a job before looking around again
@@ -38,7 +39,7 @@ class Worker:
         self.publisher = Publisher(self.conn, settings.queue, settings.result_ttl,
                                    self._past_grace)
         self.log = log.bind(worker=self.name, queue=settings.queue)
-        self._batch = Batch()  # events of aborts decided after the last flush
+        self._batch = Batch()  # what the next round trip writes
         self._arrived: list[Delivery] = []  # jobs read, not admitted yet
         self._stop_at: float | None = None
         self._next_heartbeat = self._next_claims = 0.0
@@ -64,7 +65,8 @@ class Worker:
                           kv_blocks_total=self.engine.stats()["kv_blocks_total"],
                           metrics_port=self.settings.metrics_port)
             while not self._past_grace() and (
-                    self._stop_at is None or self.driver.jobs or self._batch):
+                    self._stop_at is None or self.driver.jobs or self._batch
+                    or self.publisher.in_flight):
                 self._tick()
         except GaveUp as exc:
             self.log.error("redis stayed unavailable until the grace period ended",
@@ -73,9 +75,10 @@ class Worker:
             for job_id in list(self.driver.jobs):
                 self.driver.drop(job_id, "worker stopping: left pending for a peer")
             try:
+                self.publisher.close()
                 self.consumer.leave()
                 rq_mirror.unregister_worker(self.conn, self.name)
-            except DOWN:
+            except (*DOWN, GaveUp):
                 self.log.warning("could not unregister: redis unavailable")
             self.metrics.close()
             self.log.info("worker stopped")
@@ -98,34 +101,42 @@ class Worker:
         taking = self._stop_at is None
         if now >= self._next_claims:
             self._next_claims = now + self.settings.claim_refresh_s
+            self._settle(self.publisher.collect(), stepped=False)  # its acks land first
             self.consumer.refresh(self.driver.entry_ids())
             free = self.driver.free_slots() - len(self._arrived)
             if taking and free > 0:
                 reclaimed = self.consumer.reclaim(free, self.settings.reclaim_idle_ms)
                 self.consumer.inspect(reclaimed)
                 self._arrived += reclaimed
-        if taking and not (self.driver.jobs or self._batch or self._arrived):
+        if taking and not (self.driver.jobs or self._batch or self._arrived
+                           or self.publisher.in_flight):
             self._arrived = self.consumer.read(self.driver.free_slots(), IDLE_BLOCK_MS)
         if self._arrived and taking:  # once stopping, they stay pending for a peer
             self.driver.admit(self._arrived, self._batch)
             self._arrived = []
         self.driver.stop_overdue(self._batch)
-        if self.engine.has_unfinished():
-            self.driver.step(self._batch)
+        deltas = self.driver.step(self._batch) if self.engine.has_unfinished() else []
+        self._settle(self.publisher.collect(), stepped=True)  # the trip that overlapped the step
+        self.driver.emit(deltas, self._batch)
         if self._batch or self.driver.jobs:
-            self._publish(self.driver.free_slots() if taking else 0)
+            self._publish(self.driver.free_slots() - len(self._arrived) if taking else 0)
         self.metrics.tick(self.engine.stats)
 
     def _publish(self, free: int) -> None:
         """Sends the step's batch; in the same round trip, checks for cancellations and reads
-        as many new jobs as there are free slots (admitted next tick, before the next step)."""
+        as many new jobs as there are free slots. Its reply is read after the next step."""
         batch, self._batch = self._batch, Batch()
-        flushed = self.publisher.flush(
+        self.publisher.send(
             batch, list(self.driver.jobs),
             read=(lambda pipe: self.consumer.read_in(pipe, free)) if free > 0 else None)
+
+    def _settle(self, flushed: Flushed, stepped: bool) -> None:
+        """Acts on a round trip's reply. ``stepped``: the engine stepped since it was sent, and
+        that step's deltas are not emitted yet: a canceled job's are dropped."""
         for job_id in flushed.superseded:
             self.driver.drop(job_id, "another worker continued its result stream")
+        self._batch.discard(flushed.superseded)
         for job_id in flushed.canceled:  # aborted now; its events go out next round trip
-            self.driver.stop(job_id, "abort", self._batch)
-        if free > 0:
+            self.driver.stop(job_id, "abort", self._batch, stepped)
+        if flushed.read is not None:
             self._arrived += self.consumer.arrived(flushed.read)

@@ -1,0 +1,156 @@
+"""RQ mirror transitions (queued -> started -> finished / failed / canceled), many jobs per
+script call: a worker sends every transition of one publish round trip as one EVAL, instead of
+a dozen commands per job.
+
+Per job the script writes what ``producer.rq_mirror`` describes: the ``rq:job:{id}`` hash
+(``status``, ``started_at``, ``last_heartbeat``, ``worker_name``, ``ended_at``, ``exc_info``;
+it expires ``ttl`` seconds after the job ends), the started registry (member ``{id}:pagedq``,
+score ``+inf``), the finished / failed / canceled registries (scored by expiry; expired members
+dropped once per call) and ``rq:results:{id}``. A job leaves the ``rq:queue:{q}`` list only
+while its hash still says ``queued``: the list is scanned once per job (from the head, where
+the oldest jobs are, and only to the first match), never for a job already started. Re-applying
+a transition (a re-sent round trip, a peer's reclaim) changes no count.
+"""
+
+import json
+import time
+import zlib
+from base64 import b64encode
+from dataclasses import dataclass, field
+from typing import Any
+
+from .rq_mirror import (
+    EXECUTION,
+    FAILURE_TTL,
+    RESULT_TTL,
+    job_key,
+    registry_key,
+    rq_queue_key,
+    timestamp,
+)
+
+_ENDED = ("finished", "failed", "canceled")
+
+# KEYS: rq:queue:{q}, rq:wip:{q}, rq:finished:{q}, rq:failed:{q}, rq:canceled:{q}, then per
+# transition rq:job:{id} and rq:results:{id}. ARGV: now (unix time), now (RQ's format), then per
+# transition its status and job id, and for ``started`` the worker name, for an end the ttl,
+# exc_info ('' for none), the result type ('' for none, 1 success, 2 failure) and its payload.
+_APPLY = f"""
+local queue, wip = KEYS[1], KEYS[2]
+local ended = {{finished = KEYS[3], failed = KEYS[4], canceled = KEYS[5]}}
+local now, stamp = tonumber(ARGV[1]), ARGV[2]
+local touched = {{}}
+local a, k = 3, 6
+while a <= #ARGV do
+  local status, id, job = ARGV[a], ARGV[a + 1], KEYS[k]
+  if redis.call('HGET', job, 'status') == 'queued' then redis.call('LREM', queue, 1, id) end
+  if status == 'started' then
+    redis.call('ZADD', wip, '+inf', id .. ':{EXECUTION}')
+    redis.call('HSET', job, 'status', status, 'started_at', stamp, 'last_heartbeat', stamp,
+               'worker_name', ARGV[a + 2])
+    a = a + 3
+  else
+    local ttl = tonumber(ARGV[a + 2])
+    redis.call('ZREM', wip, id .. ':{EXECUTION}')
+    for name, key in pairs(ended) do
+      if name == status then
+        redis.call('ZADD', key, now + ttl, id)
+        touched[key] = true
+      else
+        redis.call('ZREM', key, id)
+      end
+    end
+    redis.call('HSET', job, 'status', status, 'ended_at', stamp)
+    if ARGV[a + 3] ~= '' then redis.call('HSET', job, 'exc_info', ARGV[a + 3]) end
+    redis.call('EXPIRE', job, ttl)
+    local kind = ARGV[a + 4]
+    if kind ~= '' then
+      local name = kind == '1' and 'return_value' or 'exc_string'
+      redis.call('XADD', KEYS[k + 1], 'MAXLEN', 10, '*', 'type', kind, 'worker_name', '',
+                 name, ARGV[a + 5])
+      redis.call('EXPIRE', KEYS[k + 1], ttl)
+    end
+    a = a + 6
+  end
+  k = k + 2
+end
+for key in pairs(touched) do redis.call('ZREMRANGEBYSCORE', key, 0, now) end
+return 1
+"""
+
+
+@dataclass
+class Transitions:
+    """RQ transitions of jobs of one queue, in order, for one script call (``add_to``)."""
+
+    jobs: list[str] = field(default_factory=list)  # per transition, its job id
+    args: list[list[Any]] = field(default_factory=list)  # per transition, its ARGV part
+
+    def started(self, job_id: str, worker_name: str) -> None:
+        """-> started, by ``worker_name``."""
+        self._add(job_id, ["started", job_id, worker_name])
+
+    def finished(self, job_id: str, result: dict[str, Any], ttl: int = RESULT_TTL) -> None:
+        """-> finished; ``result`` (JSON-able) becomes the RQ job's return value."""
+        value = b64encode(json.dumps(result).encode()).decode()
+        self._add(job_id, ["finished", job_id, ttl, "", 1, value])
+
+    def failed(self, job_id: str, message: str, ttl: int = FAILURE_TTL) -> None:
+        """-> failed; ``message`` is shown as the RQ job's exception."""
+        packed = zlib.compress(message.encode())
+        self._add(job_id, ["failed", job_id, ttl, packed, 2, b64encode(packed).decode()])
+
+    def canceled(self, job_id: str, ttl: int = RESULT_TTL) -> None:
+        """-> canceled."""
+        self._add(job_id, ["canceled", job_id, ttl, "", "", ""])
+
+    def _add(self, job_id: str, args: list[Any]) -> None:
+        self.jobs.append(job_id)
+        self.args.append(args)
+
+    def discard(self, job_ids: set[str]) -> None:
+        """Forgets the transitions of these jobs (another worker continues them)."""
+        keep = [i for i, job_id in enumerate(self.jobs) if job_id not in job_ids]
+        self.jobs, self.args = [self.jobs[i] for i in keep], [self.args[i] for i in keep]
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs)
+
+    def add_to(self, pipe: Any, queue: str) -> None:
+        """Adds the script call that applies every transition to a pipeline (nothing if none).
+        One timestamp for all: they happen in the same round trip."""
+        if not self.jobs:
+            return
+        keys = [rq_queue_key(queue),
+                *(registry_key(kind, queue) for kind in ("wip", *_ENDED))]
+        now = time.time()
+        args: list[Any] = [repr(now), timestamp(now)]
+        for job_id, part in zip(self.jobs, self.args, strict=True):
+            keys += [job_key(job_id), f"rq:results:{job_id}"]
+            args += part
+        pipe.eval(_APPLY, len(keys), *keys, *args)
+
+
+def _one(pipe: Any, queue: str, add: str, *args: Any) -> None:
+    transitions = Transitions()
+    getattr(transitions, add)(*args)
+    transitions.add_to(pipe, queue)
+
+
+def mark_started(pipe: Any, job_id: str, queue: str, worker_name: str) -> None:
+    """Queued -> started, by ``worker_name``. Re-marking (a reclaim by a peer) is harmless."""
+    _one(pipe, queue, "started", job_id, worker_name)
+
+
+def mark_finished(pipe: Any, job_id: str, queue: str, result: dict[str, Any],
+                  ttl: int = RESULT_TTL) -> None:
+    _one(pipe, queue, "finished", job_id, result, ttl)
+
+
+def mark_failed(pipe: Any, job_id: str, queue: str, message: str,
+                ttl: int = FAILURE_TTL) -> None:
+    _one(pipe, queue, "failed", job_id, message, ttl)
+
+
+def mark_canceled(pipe: Any, job_id: str, queue: str, ttl: int = RESULT_TTL) -> None:
+    _one(pipe, queue, "canceled", job_id, ttl)
