@@ -84,7 +84,7 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x + residual`` (when given) over the last dim; returns the normed value and
-    the new residual. The arithmetic is ``engine.models.llama.RMSNorm``'s (transformers')."""
+    the new residual. The arithmetic is transformers' LlamaRMSNorm's."""
     if residual is not None:
         x = x + residual
     x32 = x.float()
@@ -95,8 +95,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of ``q`` ``[T, H_q, D]`` and ``k`` ``[T, H_kv, D]`` at ``positions``
-    ``[T]``, with ``cos``/``sin`` tables ``[max_positions, D]``, as
-    ``engine.models.llama.RotaryEmbedding`` computes it (in the activation dtype)."""
+    ``[T]``, with ``cos``/``sin`` tables ``[max_positions, D]``, as transformers' Llama applies
+    it (in the activation dtype)."""
     cos = cos[positions].unsqueeze(1).to(q.dtype)
     sin = sin[positions].unsqueeze(1).to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

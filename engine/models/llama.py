@@ -21,15 +21,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Adds ``residual`` first (when given); returns the normed value and the new residual.
-        The arithmetic follows transformers' LlamaRMSNorm exactly (fp32 inside); on CUDA one
-        fused kernel computes it (``kernels.rms_norm``)."""
-        if x.is_cuda:
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype), x
+        ``kernels.rms_norm``: transformers' LlamaRMSNorm arithmetic (fp32 inside) on the CPU,
+        one fused kernel on CUDA."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,16 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda:  # one fused kernel for q and k (``kernels.rotary``)
-            return kernels.rotary(q, k, self.cos, self.sin, positions)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # the reference arithmetic on the CPU, one fused kernel for q and k on CUDA
+        return kernels.rotary(q, k, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
