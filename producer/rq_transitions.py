@@ -130,27 +130,3 @@ class Transitions:
             args += part
         pipe.eval(_APPLY, len(keys), *keys, *args)
 
-
-def _one(pipe: Any, queue: str, add: str, *args: Any) -> None:
-    transitions = Transitions()
-    getattr(transitions, add)(*args)
-    transitions.add_to(pipe, queue)
-
-
-def mark_started(pipe: Any, job_id: str, queue: str, worker_name: str) -> None:
-    """Queued -> started, by ``worker_name``. Re-marking (a reclaim by a peer) is harmless."""
-    _one(pipe, queue, "started", job_id, worker_name)
-
-
-def mark_finished(pipe: Any, job_id: str, queue: str, result: dict[str, Any],
-                  ttl: int = RESULT_TTL) -> None:
-    _one(pipe, queue, "finished", job_id, result, ttl)
-
-
-def mark_failed(pipe: Any, job_id: str, queue: str, message: str,
-                ttl: int = FAILURE_TTL) -> None:
-    _one(pipe, queue, "failed", job_id, message, ttl)
-
-
-def mark_canceled(pipe: Any, job_id: str, queue: str, ttl: int = RESULT_TTL) -> None:
-    _one(pipe, queue, "canceled", job_id, ttl)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import rq_mirror, rq_transitions
+from producer import rq_mirror
 from producer.protocol import (
     GROUP,
     Chunk,
@@ -34,6 +34,7 @@ from producer.protocol import (
     queue_key,
     results_key,
 )
+from producer.rq_transitions import Transitions
 from worker.redis_server import RedisServer
 
 
@@ -61,6 +62,16 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+def mirror(conn: redis.Redis, queue: str, add: Callable[[Transitions], None]) -> None:
+    """Applies the RQ transitions that ``add`` records, in one script call, as a worker's round
+    trip does."""
+    transitions = Transitions()
+    add(transitions)
+    with conn.pipeline() as pipe:
+        transitions.add_to(pipe, queue)
+        pipe.execute()
 
 
 class FakeWorker:
@@ -92,7 +103,7 @@ class FakeWorker:
             return False
         entry_id, fields = reply[0][1][0]
         job = Job.model_validate_json(fields["job"])
-        self._pipe(lambda p: rq_transitions.mark_started(p, job.id, self.queue, self.name))
+        mirror(self.conn, self.queue, lambda t: t.started(job.id, self.name))
         out = results_key(job.id)
 
         def publish(event: Chunk | Done | End | Error) -> None:
@@ -101,7 +112,7 @@ class FakeWorker:
 
         if "FAIL" in str(job.prompt):
             publish(Error(code="invalid_request", message="the prompt asked to fail"))
-            self._pipe(lambda p: rq_transitions.mark_failed(p, job.id, self.queue, "asked to fail"))
+            mirror(self.conn, self.queue, lambda t: t.failed(job.id, "asked to fail"))
         else:
             prompt_tokens = len(str(job.prompt or job.messages))
             n_tokens = min(job.sampling.max_tokens or 4, 4)
@@ -121,17 +132,12 @@ class FakeWorker:
             publish(End(usage=Usage(prompt_tokens=prompt_tokens,
                                     completion_tokens=job.sampling.n * n_tokens)))
             if aborted:
-                self._pipe(lambda p: rq_transitions.mark_canceled(p, job.id, self.queue))
+                mirror(self.conn, self.queue, lambda t: t.canceled(job.id))
             else:
                 result = {"texts": [f"sample {i}" for i in range(job.sampling.n)]}
-                self._pipe(lambda p: rq_transitions.mark_finished(p, job.id, self.queue, result))
+                mirror(self.conn, self.queue, lambda t: t.finished(job.id, result))
         self.conn.xack(self.key, GROUP, entry_id)
         return True
-
-    def _pipe(self, ops: Callable[[redis.client.Pipeline], None]) -> None:
-        with self.conn.pipeline() as pipe:
-            ops(pipe)
-            pipe.execute()
 
     def start(self) -> "FakeWorker":
         def loop() -> None:

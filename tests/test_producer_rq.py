@@ -4,7 +4,7 @@
 import pytest
 import redis
 
-from producer import Client, rq_mirror, rq_transitions
+from producer import Client, rq_mirror
 
 rq = pytest.importorskip("rq")
 rq_dashboard = pytest.importorskip("rq_dashboard")
@@ -42,9 +42,9 @@ def lifecycle(redis_url: str, make_fake_worker) -> dict[str, str]:
     ids["started"] = client.submit("taken", job_id="started-job").id
     conn = redis.Redis.from_url(redis_url)
     conn.xreadgroup("workers", "gpu-0", {"pagedq:queue:default": ">"}, count=1)
-    with conn.pipeline() as pipe:
-        rq_transitions.mark_started(pipe, ids["started"], "default", "gpu-0")
-        pipe.execute()
+    from redis_fixtures import mirror  # here: the plugin is registered (and rewritten) by now
+
+    mirror(conn, "default", lambda t: t.started(ids["started"], "gpu-0"))
     ids["queued"] = client.submit([1, 2, 3], temperature=0, job_id="queued-job").id
     return ids
 
@@ -69,16 +69,14 @@ def test_rq_reads_the_mirror(redis_url: str, lifecycle: dict[str, str]) -> None:
 
 
 def test_re_marking_is_harmless(redis_url: str, lifecycle: dict[str, str]) -> None:
+    from redis_fixtures import mirror
+
     conn = redis.Redis.from_url(redis_url)
-    with conn.pipeline() as pipe:
-        rq_transitions.mark_started(pipe, "started-job", "default", "gpu-1")  # a peer reclaims it
-        rq_transitions.mark_finished(pipe, "finished-job", "default", {"again": True})
-        rq_transitions.mark_canceled(pipe, "canceled-job", "default")
-        pipe.execute()
+    mirror(conn, "default", lambda t: t.started("started-job", "gpu-1"))  # a peer reclaims it
+    mirror(conn, "default", lambda t: t.finished("finished-job", {"again": True}))
+    mirror(conn, "default", lambda t: t.canceled("canceled-job"))
     assert counts(conn) == {"queued": 1, "started": 1, "finished": 1, "failed": 1, "canceled": 1}
-    with conn.pipeline() as pipe:  # the reclaimed job ends
-        rq_transitions.mark_finished(pipe, "started-job", "default", {"done": 1})
-        pipe.execute()
+    mirror(conn, "default", lambda t: t.finished("started-job", {"done": 1}))  # reclaimed: ends
     assert counts(conn)["started"] == 0 and counts(conn)["finished"] == 2
 
 
