@@ -41,7 +41,7 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table
         for i in range(num_blocks):
             blk = block_tables[b, i]
             for j in range(min(block_size, length - i * block_size)):
-                for h in range(num_kv_heads):  # no division in the loop: g // group is slow
+                for h in range(num_kv_heads):  # each query head g of KV head h, without g // group
                     for g in range(h * group, (h + 1) * group):
                         s = np.float32(0.0)
                         for d in range(head_dim):
