@@ -82,4 +82,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty(q.shape, dtype=torch.float32)
     _decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
             block_tables.numpy(), context_lens.numpy(), scale, out.numpy())
+    if torch.get_num_threads() != threads:
+        # numba's first launch starts OpenMP with every core, and torch reads its thread
+        # count back from OpenMP: without this, torch.set_num_threads(1) would quietly become
+        # "every core" for the rest of the thread.
+        torch.set_num_threads(threads)
     return out.to(q.dtype)

@@ -1,6 +1,10 @@
 """The CPU fast path: the numba decode attention against the torch reference, the engine on
 it, and the oneDNN-packed linear layers."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -47,6 +51,26 @@ def test_decode_other_dtypes_fall_back() -> None:
     ctx = torch.tensor([20, 3], dtype=torch.int32)
     out = cpu_ops.paged_attention_decode(q, k, k, tables, ctx, 0.125)
     torch.testing.assert_close(out, reference.paged_attention_decode(q, k, k, tables, ctx, 0.125))
+
+
+def test_decode_keeps_torch_thread_count() -> None:
+    """numba's first parallel launch starts OpenMP on every core, which torch then reports as
+    its own thread count: a worker told to use 1 thread must keep 1. A fresh process, as that
+    happens once per process; NUMBA_NUM_THREADS=2 so that it shows on a 1-core machine too."""
+    code = (
+        "import torch\n"
+        "torch.set_num_threads(1)\n"
+        "from kernels import cpu_ops\n"
+        "q, k = torch.randn(2, 4, 64), torch.randn(4, 16, 2, 64)\n"
+        "tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)\n"
+        "ctx = torch.tensor([20, 3], dtype=torch.int32)\n"
+        "cpu_ops.paged_attention_decode(q, k, k, tables, ctx, 0.125)\n"
+        "import numba\n"
+        "print(torch.get_num_threads(), numba.get_num_threads(), numba.threading_layer())\n")
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[:2] == ["1", "1"], out
 
 
 def test_default_backend_on_cpu() -> None:
