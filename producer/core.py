@@ -3,8 +3,9 @@ folding events into a result, and the clock of a wait. Pure functions, no I/O.
 
 Decisions:
 - ``status`` derives from the result stream alone (the source of truth): ``queued`` (no event
-  yet, or the stream expired), ``started``, ``finished``, ``failed``, ``canceled`` (every sample
-  ended with finish reason ``abort``).
+  yet, or the stream expired), ``started``, ``finished``, ``failed``, ``canceled`` (a sample
+  ended with finish reason ``abort``: the job was canceled, even if other samples had finished
+  by then, as the RQ mirror records it).
 - Reads block in slices of at most ``BLOCK_SLICE`` seconds, below redis-py's default socket
   timeout, so that a blocked read is never mistaken for a dead connection.
 """
@@ -91,7 +92,7 @@ def status_of(events: list[Event]) -> str:
         return "failed"
     if any(isinstance(e, End) for e in events):
         reasons = [e.finish_reason for e in events if isinstance(e, Done)]
-        return "canceled" if reasons and all(r == "abort" for r in reasons) else "finished"
+        return "canceled" if "abort" in reasons else "finished"
     return "started" if events else "queued"
 
 

@@ -201,6 +201,21 @@ def test_cancel_aborts_a_running_job(redis_url: str, make_fake_worker) -> None:
     assert result.status == "canceled" == job.status()
 
 
+def test_a_job_canceled_after_some_samples_finished_is_canceled(redis_url: str) -> None:
+    """As the worker's RQ record says: one sample finished before the cancel, one aborted."""
+    client = Client(redis_url)
+    job = client.submit("two samples", n=2)
+    usage = Usage(prompt_tokens=2, completion_tokens=1)
+    for event in (Chunk(sample=0, seq=0, text="a", token_ids=[5]),
+                  Done(sample=0, finish_reason="length", usage=usage),
+                  Done(sample=1, finish_reason="abort", usage=Usage(prompt_tokens=2)),
+                  End(usage=usage)):
+        client.redis.xadd(results_key(job.id), {"event": event.model_dump_json()})
+    result = job.result(timeout=5)
+    assert [o.finish_reason for o in result.outputs] == ["length", "abort"]
+    assert result.status == "canceled" == job.status()
+
+
 def test_connection_loss_is_retried_and_reads_resume(redis_server_factory) -> None:
     server = redis_server_factory(aof=True)
     client = Client(server.url)
