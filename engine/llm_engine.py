@@ -5,17 +5,16 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
-from engine.loader import load_config
-from engine.model_runner import ModelRunner
+from engine.loader import eos_token_ids, load_config
+from engine.model_runner import ModelRunner, fit_kv_blocks
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -70,7 +69,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # the draws of requests without a seed of their own
         self.model_runner = ModelRunner(
             path, hf_config, max_model_len=self.max_model_len, block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks or (lambda: self._fit_kv_blocks(hf_config, dtype)),
+            num_kv_blocks=config.num_kv_blocks or (
+                lambda: fit_kv_blocks(config, hf_config, dtype, self.device, self.max_model_len)),
             dtype=dtype, device=self.device,
             cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs)
         num_blocks = self.model_runner.num_kv_blocks
@@ -78,7 +78,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.eos_token_ids = self._eos_ids(path)
+        self.eos_token_ids = eos_token_ids(path, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.kv_blocks_peak = 0
@@ -87,33 +87,6 @@ class LLMEngine:
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
                  kv_blocks=num_blocks, block_size=config.block_size,
                  max_model_len=self.max_model_len)
-
-    def _fit_kv_blocks(self, hf_config: Any, dtype: torch.dtype) -> int:
-        """Called once the weights are loaded. On CUDA, as vLLM: the engine may take
-        ``gpu_memory_utilization`` of the card's total memory; the pool gets what of that the
-        weights (and whatever else holds memory now) leave."""
-        block_bytes = ModelRunner.block_bytes(hf_config, self.config.block_size, dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
-            if budget < block_bytes:
-                raise ValueError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB "
-                                 f"free of {total / 2**30:.1f}; raise gpu_memory_utilization "
-                                 f"({self.config.gpu_memory_utilization}) or set num_kv_blocks")
-        else:
-            budget = self.config.kv_cache_memory_gib * 2**30
-        # No use in more than every sequence slot filled to the context length.
-        most = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(int(budget // block_bytes), most))
-
-    def _eos_ids(self, path: Path) -> set[int]:
-        ids = {self.tokenizer.eos_token_id} - {None}
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:  # no generation_config.json
-            eos = None
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, resume: list[Resume | None] | None = None) -> None:

@@ -1,12 +1,12 @@
 """Load a Hugging Face checkpoint folder: config through AutoConfig, weights from safetensors
-(single file or sharded), fused parameters assembled from their checkpoint parts."""
+(single file or sharded), fused parameters assembled from their checkpoint parts; the eos ids."""
 
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.cpu_linear import can_pack, pack_linears
 from engine.models import MODEL_REGISTRY
@@ -19,6 +19,16 @@ def load_config(path: Path) -> PretrainedConfig:
         raise ValueError(f"unsupported architecture {arch!r}; pagedq supports "
                          f"{sorted(MODEL_REGISTRY)}")
     return config
+
+
+def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokenizer's eos and those of the checkpoint's generation_config.json, if any."""
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    return ids | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 import kernels
+from engine.config import EngineConfig
 from engine.context import Context, DecodeGroup, set_context
 from engine.cuda_graph import DecodeGraphs
 from engine.loader import load_model
@@ -129,3 +130,23 @@ class ModelRunner:
             return [], hidden.new_empty(0, 0, dtype=torch.float32)
         logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])
         return sample_seqs, logits.float()
+
+
+def fit_kv_blocks(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int) -> int:
+    """The pool's size in blocks, called once the weights are loaded. On CUDA, as vLLM: the
+    engine may take ``gpu_memory_utilization`` of the card's total memory; the pool gets what
+    of that the weights (and whatever else holds memory now) leave."""
+    block_bytes = ModelRunner.block_bytes(hf_config, config.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        if budget < block_bytes:
+            raise ValueError(f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB "
+                             f"free of {total / 2**30:.1f}; raise gpu_memory_utilization "
+                             f"({config.gpu_memory_utilization}) or set num_kv_blocks")
+    else:
+        budget = config.kv_cache_memory_gib * 2**30
+    # No use in more than every sequence slot filled to the context length.
+    most = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return max(1, min(int(budget // block_bytes), most))
