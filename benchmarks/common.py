@@ -20,9 +20,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
-RANDOM_MODEL_DIR = OUT_DIR / "random-llama-77m"
-MODELS = ("random", "smollm2", "random-1b", "random-26m")
+# Where models, logs and JSON go; the benchmarks' smoke tests point it at a temporary folder.
+OUT_DIR = Path(os.environ.get("PAGEDQ_BENCH_OUT") or Path(__file__).resolve().parent / "out")
 T = TypeVar("T")
 
 
@@ -31,61 +30,40 @@ def log(*parts: Any) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def _retry(fn: Callable[[], T], what: str, attempts: int = 5, wait_s: float = 60.0) -> T:
-    """A colleague may still be writing the model helpers: retry an import error a few times."""
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except ImportError as e:
-            if attempt == attempts - 1:
-                raise
-            log(f"{what}: {e}; retrying in {wait_s:.0f}s")
-            time.sleep(wait_s)
-    raise AssertionError("unreachable")
-
-
-def _random_model() -> Path:
-    from engine.random_model import build_random_checkpoint
-
-    return build_random_checkpoint(RANDOM_MODEL_DIR, "llama", hidden_size=768, num_layers=12,
-                                   num_heads=12, num_kv_heads=4, intermediate_size=2048,
-                                   init_std=0.05)
-
-
-def _random_model_26m() -> Path:
-    """hidden 512, 8 layers, 8 heads / 4 KV heads of 64, MLP 1536: the issue's smallest size,
-    for a 128-request CPU run that fits beside the SmolLM2 one."""
-    from engine.random_model import build_random_checkpoint
-
-    return build_random_checkpoint(OUT_DIR / "random-llama-26m", "llama", hidden_size=512,
-                                   num_layers=8, num_heads=8, num_kv_heads=4,
-                                   intermediate_size=1536, init_std=0.05)
-
-
-def _random_model_1b() -> Path:
-    """Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64, MLP 8192)
-    with the random tokenizer's ~1000-token vocabulary: 0.97B parameters, for GPU runs."""
-    from engine.random_model import build_random_checkpoint
-
-    return build_random_checkpoint(OUT_DIR / "random-llama-1b", "llama", hidden_size=2048,
-                                   num_layers=16, num_heads=32, num_kv_heads=8,
-                                   intermediate_size=8192, init_std=0.02)
-
-
-def _default_model() -> Path:
-    from engine.default_model import default_model_path
-
-    return default_model_path()
+# Random Llamas by name: build_random_checkpoint's keywords (built once under OUT_DIR). "tiny"
+# (its defaults) and "mid" serve the queue benchmark and the benchmarks' smoke tests.
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "mid": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+            "intermediate_size": 768, "init_std": 0.1},
+    # hidden 512, 8 layers, 8 heads / 4 KV heads of 64, MLP 1536: the issue's smallest size,
+    # for a 128-request CPU run that fits beside the SmolLM2 one.
+    "random-26m": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
+                   "intermediate_size": 1536, "init_std": 0.05},
+    "random": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4,
+               "intermediate_size": 2048, "init_std": 0.05},  # 77M
+    # Llama-3.2-1B's shapes with the random tokenizer's ~1000-token vocabulary: 0.97B
+    # parameters, for GPU runs.
+    "random-1b": {"hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
+                  "intermediate_size": 8192, "init_std": 0.02},
+}
+_FOLDERS = {"random": "random-llama-77m", "mid": "random-llama-256x4"}
+MODELS = (*RANDOM_MODELS, "smollm2")
 
 
 def model_path(name: str) -> Path:
-    """The folder of a random llama ("random": 77M, "random-26m", "random-1b"; built once under
-    benchmarks/out) or of SmolLM2."""
-    if name not in MODELS:
+    """The folder of a random llama of RANDOM_MODELS (built once under OUT_DIR) or of
+    SmolLM2."""
+    if name == "smollm2":
+        from engine.default_model import default_model_path
+
+        return default_model_path()
+    if name not in RANDOM_MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-    build = {"random": _random_model, "random-1b": _random_model_1b,
-             "random-26m": _random_model_26m}.get(name, _default_model)
-    return _retry(build, f"model {name}")
+    from engine.random_model import build_random_checkpoint
+
+    folder = OUT_DIR / _FOLDERS.get(name, f"random-llama-{name.removeprefix('random-')}")
+    return build_random_checkpoint(folder, "llama", **RANDOM_MODELS[name])
 
 
 def set_threads(threads: int | None) -> int:

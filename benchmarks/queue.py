@@ -1,8 +1,9 @@
 """Queue overhead: one worker behind Redis vs ``LLM.generate`` directly, on the same engine.
 
 Three parts, one private redis-server, the worker in this process (a thread), every client in a
-child process (``python benchmarks/queue.py _client ...``), so that no client takes the
-worker's GIL, as in a deployment:
+child process (``python benchmarks/queue.py _client ...``, modes in ``queue_clients.py``), so
+that no client takes the worker's GIL, as in a deployment (timers and CPU probes in
+``queue_probes.py``):
 
 1. Throughput (default model ``mid``, a random Llama, hidden 256, 4 layers): N requests of
    random token ids (prompt lengths uniform in [--min-prompt, --max-prompt], outputs uniform in
@@ -42,15 +43,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,23 +74,30 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
     usable_token_ids,
     write_json,
 )
+from queue_clients import client_main  # noqa: E402
+from queue_probes import (  # noqa: E402
+    Patches,
+    StepClock,
+    Timers,
+    breakdown,
+    cpu_seconds,
+    instrument,
+    runqueue_wait,
+    waited,
+)
 
 # isort: split
 import numpy as np  # noqa: E402
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
-    from producer import Client
     from worker.config import Settings
     from worker.service import Worker
 
-BENCH_MODELS = ("tiny", "mid", *MODELS)
 TARGET_RATIO = 0.95
 TARGET_P50_MS = 5.0
 TARGET_JOBS_S = 1000.0
-CLIENT_TIMEOUT_S = 600.0
 JOB_PROMPT_LEN = 8
-POLL_WINDOW = 512  # result streams checked per round trip while waiting for the jobs part
 WORKER_LOG = OUT_DIR / "queue-worker.log"
 
 
@@ -100,9 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="throughput,latency,jobs",
                    help="comma-separated subset of throughput,latency,jobs")
-    p.add_argument("--model", choices=BENCH_MODELS, default="mid",
+    p.add_argument("--model", choices=MODELS, default="mid",
                    help="model of the throughput and latency parts (random: the 77M llama)")
-    p.add_argument("--jobs-model", choices=BENCH_MODELS, default="tiny")
+    p.add_argument("--jobs-model", choices=MODELS, default="tiny")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5,
                    help="(direct, queue) pairs, each on fresh token ids; best of each is shown")
@@ -127,19 +132,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def bench_model(name: str) -> Path:
-    """``tiny`` and ``mid`` random Llamas are built once under benchmarks/out."""
-    from engine.random_model import build_random_checkpoint
-
-    if name == "tiny":
-        return build_random_checkpoint(OUT_DIR / "random-llama-tiny", "llama")
-    if name == "mid":
-        return build_random_checkpoint(OUT_DIR / "random-llama-256x4", "llama", hidden_size=256,
-                                       num_layers=4, num_heads=4, num_kv_heads=2,
-                                       intermediate_size=768, init_std=0.1)
-    return model_path(name)
-
-
 def configure_worker_logging() -> None:
     """The worker CLI's JSON lines at INFO, into a file instead of stderr."""
     import structlog
@@ -149,26 +141,6 @@ def configure_worker_logging() -> None:
     configure_logging()
     WORKER_LOG.parent.mkdir(parents=True, exist_ok=True)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(WORKER_LOG.open("w")))
-
-
-def runqueue_wait(tid: int) -> float | None:
-    """Seconds thread ``tid`` of this process has waited for a CPU (kernel schedstat): the
-    share of a wall time that other processes took from it. None where not available."""
-    try:
-        return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def waited(tid: int, before: float | None) -> float | None:
-    after = runqueue_wait(tid)
-    return None if before is None or after is None else after - before
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile_ms(seconds: list[float], q: float) -> float:
@@ -226,104 +198,6 @@ def serving(settings: Settings, engine: LLMEngine) -> Iterator[Served]:
         thread.join(60)
 
 
-class Patches:
-    """Wraps methods of live objects (instance attributes shadow the class's); ``undo()``."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[object, str]] = []
-
-    def wrap(self, obj: object, name: str, make: Callable[[Callable[..., Any]], Any]) -> None:
-        setattr(obj, name, make(getattr(obj, name)))
-        self._undo.append((obj, name))
-
-    def undo(self) -> None:
-        for obj, name in reversed(self._undo):
-            delattr(obj, name)
-        self._undo.clear()
-
-
-class StepClock:
-    """When ``engine.step`` returned each token: (request id, sample, position) -> perf_counter."""
-
-    def __init__(self) -> None:
-        self.produced: dict[tuple[str, int, int], float] = {}
-        self._counts: dict[tuple[str, int], int] = defaultdict(int)
-
-    def wrap(self, step: Callable[[], list[Any]]) -> Callable[[], list[Any]]:
-        def timed_step() -> list[Any]:
-            deltas = step()
-            now = time.perf_counter()
-            for delta in deltas:
-                for sample in delta.samples:
-                    key = (delta.request_id, sample.index)
-                    if sample.token_ids:
-                        self.produced[(*key, self._counts[key])] = now
-                        self._counts[key] += len(sample.token_ids)
-            return deltas
-
-        return timed_step
-
-
-class Timers:
-    """Seconds and calls per wrapped method."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def wrapper(self, label: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def make(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def timed_call(*a: Any, **kw: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    self.seconds[label] += time.perf_counter() - start
-                    self.calls[label] += 1
-
-            return timed_call
-
-        return make
-
-
-def instrument(worker: Worker, timers: Timers, patches: Patches) -> None:
-    """Times the worker loop's parts (those of them this worker version has)."""
-    parts = [("tick", worker, "_tick"), ("claims", worker.consumer, "inspect"),
-             ("claims", worker.consumer, "refresh"), ("claims", worker.consumer, "reclaim"),
-             ("admit", worker.driver, "admit"), ("driver.step", worker.driver, "step"),
-             ("engine.step", worker.engine, "step"), ("flush", worker.publisher, "flush"),
-             ("flush", worker.publisher, "send"), ("collect", worker.publisher, "collect"),
-             ("emit", worker.driver, "emit")]
-    for label, obj, name in parts:
-        if hasattr(obj, name):
-            patches.wrap(obj, name, timers.wrapper(label))
-
-    def split_read(read: Callable[..., Any]) -> Callable[..., Any]:
-        busy, idle = timers.wrapper("read")(read), timers.wrapper("idle")(read)
-
-        def timed_read(count: int, block_ms: int | None) -> Any:  # blocking: waits for jobs
-            return (busy if block_ms is None else idle)(count, block_ms)
-
-        return timed_read
-
-    patches.wrap(worker.consumer, "read", split_read)
-
-
-def breakdown(timers: Timers) -> dict[str, dict[str, float]]:
-    """The worker loop's seconds by part; ``events``: the driver's share of its step and its
-    emitting; ``flush``: publishing (sending a round trip, reading its reply)."""
-    s, n = timers.seconds, timers.calls
-    parts = {"engine.step": s["engine.step"],
-             "events": s["driver.step"] - s["engine.step"] + s["emit"],
-             "admit": s["admit"], "flush": s["flush"] + s["collect"], "read": s["read"],
-             "claims": s["claims"], "idle": s["idle"]}
-    parts["other"] = s["tick"] - sum(parts.values())
-    calls = {"engine.step": n["engine.step"], "flush": n["flush"], "read": n["read"],
-             "tick": n["tick"]}
-    return {"seconds": {k: round(v, 3) for k, v in parts.items()} | {"tick": round(s["tick"], 3)},
-            "calls": calls}
-
-
 # ----------------------------------------------------------------------------- client side
 
 
@@ -335,93 +209,6 @@ def run_client(mode: str, spec: dict[str, Any]) -> dict[str, Any]:
         out = subprocess.run([sys.executable, __file__, "_client", mode, f.name],
                              stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout)
-
-
-def _client_generate(client: Client, spec: dict[str, Any]) -> dict[str, Any]:
-    for h in client.submit_many(spec["warm_up"]):
-        h.result(timeout=CLIENT_TIMEOUT_S)
-    wall, cpu = time.perf_counter(), time.process_time()
-    handles = client.submit_many(spec["jobs"])
-    results = [h.result(timeout=CLIENT_TIMEOUT_S) for h in handles]
-    return {"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
-            "token_ids": [r.outputs[0].token_ids for r in results]}
-
-
-def _client_latency(client: Client, spec: dict[str, Any]) -> dict[str, Any]:
-    from producer.protocol import Chunk
-
-    ids = [uuid.uuid4().hex for _ in spec["jobs"]]
-    received: dict[str, list[tuple[int, int, float]]] = {i: [] for i in ids}
-    errors: list[Exception] = []
-    ready = threading.Barrier(len(ids) + 1)
-
-    def read(job_id: str) -> None:
-        counts: dict[int, int] = defaultdict(int)
-        ready.wait()
-        try:
-            for event in client.job(job_id).stream(timeout=CLIENT_TIMEOUT_S):
-                now = time.perf_counter()
-                if isinstance(event, Chunk):
-                    received[job_id].append((event.sample, counts[event.sample], now))
-                    counts[event.sample] += len(event.token_ids)
-        except Exception as exc:  # re-raised in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in ids]
-    for t in threads:
-        t.start()
-    ready.wait()
-    time.sleep(0.5)  # every reader is blocked in XREAD on its (empty) result stream
-    client.submit_many([job | {"job_id": i} for i, job in zip(ids, spec["jobs"], strict=True)])
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return {"received": received}
-
-
-def _client_jobs(client: Client, spec: dict[str, Any]) -> dict[str, Any]:
-    from producer.core import decode_entries
-    from producer.protocol import End, Error, results_key
-
-    jobs, batch = spec["jobs"], spec["batch"]
-    wall, cpu = time.perf_counter(), time.process_time()
-    pending: list[str] = []
-    for start in range(0, len(jobs), batch):
-        pending += [h.id for h in client.submit_many(jobs[start:start + batch])]
-    submitted = time.perf_counter() - wall
-    failed, polls = 0, 0
-    deadline = time.monotonic() + CLIENT_TIMEOUT_S
-    while pending:
-        window = pending[:POLL_WINDOW]
-        with client.redis.pipeline(transaction=False) as pipe:
-            for job_id in window:
-                pipe.xrevrange(results_key(job_id), count=1)
-            replies = pipe.execute()
-        polls += 1
-        left = []
-        for job_id, entries in zip(window, replies, strict=True):
-            last = decode_entries(entries)[-1][1] if entries else None
-            if isinstance(last, End | Error):
-                failed += isinstance(last, Error)
-            else:
-                left.append(job_id)
-        pending = left + pending[POLL_WINDOW:]
-        if pending:  # jobs end in about submission order, many per worker round trip
-            client.job(pending[0]).result(timeout=deadline - time.monotonic())
-    return {"seconds": time.perf_counter() - wall, "submit_seconds": submitted,
-            "cpu_seconds": time.process_time() - cpu, "failed": failed, "polls": polls}
-
-
-CLIENT_MODES = {"generate": _client_generate, "latency": _client_latency, "jobs": _client_jobs}
-
-
-def client_main(mode: str, spec_path: str) -> None:
-    from producer import Client
-
-    spec = json.loads(Path(spec_path).read_text())
-    with Client(spec["url"], queue=spec["queue"], max_queue_len=None) as client:
-        print(json.dumps(CLIENT_MODES[mode](client, spec)))
 
 
 # ----------------------------------------------------------------------------- the parts
@@ -441,7 +228,7 @@ def throughput_and_latency(url: str, server_pid: int, args: argparse.Namespace,
     from engine import LLM
     from engine.llm_engine import LLMEngine
 
-    path = bench_model(args.model)
+    path = model_path(args.model)
     rng = np.random.default_rng(args.seed)
     ids = usable_token_ids(path)
     n = args.num_requests
@@ -578,7 +365,7 @@ def chunk_latency(served: Served, url: str, prompts: list[list[int]],
 def jobs_per_second(url: str, server_pid: int, args: argparse.Namespace) -> dict[str, Any]:
     from engine.llm_engine import LLMEngine
 
-    path = bench_model(args.jobs_model)
+    path = model_path(args.jobs_model)
     rng = np.random.default_rng(args.seed + 1)
     ids = usable_token_ids(path)
     prompts = [random_prompt(rng, ids, JOB_PROMPT_LEN) for _ in range(args.jobs)]

@@ -1,0 +1,60 @@
+"""The benchmarks run end to end on tiny workloads, into a temporary folder. Their speed figures
+are not checked here (speed is shown by running them in full: benchmarks/RESULTS.md); what
+they compare besides is: pagedq's greedy tokens against both transformers runs, the prompt's
+blocks held once by a job's samples, the queue's tokens against ``LLM.generate``'s."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SMALL = ["--model", "tiny", "--threads", "1"]
+
+
+@pytest.fixture
+def run_benchmark(tmp_path: Path):
+    def run(script: str, *args: str) -> dict:
+        env = {**os.environ, "PAGEDQ_BENCH_OUT": str(tmp_path)}
+        done = subprocess.run([sys.executable, str(BENCHMARKS / script), *SMALL, *args],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return {"stdout": done.stdout, **{p.stem: json.loads(p.read_text())
+                                          for p in tmp_path.glob("*.json")}}
+
+    return run
+
+
+def test_throughput(run_benchmark) -> None:
+    out = run_benchmark("throughput.py", "--num-requests", "4", "--min-prompt", "4",
+                        "--max-prompt", "40", "--min-output", "4", "--max-output", "12",
+                        "--batch-sizes", "2,4")
+    systems = [r["system"] for r in out["throughput-tiny"]["results"]]
+    assert systems == ["pagedq", "hf-static B=2", "hf-static B=4", "hf-cb"]
+    assert out["throughput-tiny"]["greedy_agreement_first_diff"] == {
+        "hf-static": [None] * 4, "hf-cb": [None] * 4}
+    assert "pagedq vs hf-cb: agree" in out["stdout"]
+
+
+def test_sharing(run_benchmark) -> None:
+    n, prompt_len, block_size = 3, 40, 16
+    out = run_benchmark("sharing.py", "--n", str(n), "--prompt-len", str(prompt_len),
+                        "--max-tokens", "4")
+    peaks = {r["system"]: r["kv_blocks_peak"] for r in out["sharing-tiny"]["rows"]}
+    # the prompt's full blocks once, and each sample its own block for the rest
+    assert peaks[f"n={n} shared"] == prompt_len // block_size + n
+    assert peaks[f"{n} separate, no prefix cache"] == n * -(-(prompt_len + 4) // block_size)
+
+
+def test_queue(run_benchmark) -> None:
+    out = run_benchmark("queue.py", "--num-requests", "4", "--repeats", "1", "--min-prompt",
+                        "4", "--max-prompt", "32", "--min-output", "2", "--max-output", "8",
+                        "--latency-jobs", "2", "--latency-tokens", "4", "--jobs", "40",
+                        "--submit-batch", "20", "--jobs-model", "tiny")
+    result = out["queue"]
+    assert result["throughput"]["token_ids_equal"] == 4
+    assert result["latency"]["chunks"] == 2 * 4  # a chunk per token, each timed
+    assert result["jobs"]["jobs"] == 40
