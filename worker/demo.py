@@ -62,6 +62,11 @@ def main() -> None:
           f"(utilisation at peak {stats['kv_utilization_at_peak']:.1%}), prefix-cache hits "
           f"{stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens, "
           f"preemptions {stats['preemptions']}")
+    shared = next(h.result(timeout=1) for h, (_, n) in zip(handles, JOBS, strict=True) if n > 1)
+    prompt, block_size = shared.usage.prompt_tokens, worker.engine.config.block_size
+    n = len(shared.outputs)
+    print(f"the n={n} job's {prompt}-token prompt: its {prompt // block_size} full blocks of "
+          f"{block_size} were held once, shared by its {n} samples")
     print(f"\nrq-dashboard on this Redis: .venv/bin/rq-dashboard --redis-url {url} --json "
           "(then open http://127.0.0.1:9181)")
     try:
