@@ -9,8 +9,12 @@ request generates exactly its own length. Systems, in one process, one after the
 - hf-static B=b: ``model.generate`` on the requests chunked in arrival order into batches of b,
   left-padded with an attention mask, ``max_new_tokens = min_new_tokens`` = the batch's longest
   output. Only each request's own output length counts as output (as vLLM's HF backend does);
-- hf-cb: transformers' continuous batching (``continuous_batching_context_manager``), each
-  request added with its own ``max_new_tokens``.
+- hf-cb T:R: transformers' continuous batching (``continuous_batching_context_manager``), each
+  request added with its own ``max_new_tokens``, under ``max_batch_tokens=T`` and
+  ``max_requests_per_batch=R`` (``--cb-limits``, best of those given). Its CPU attention
+  (``sdpa_paged``) attends each step's tokens to the keys of every request in the step under a
+  dense mask, so its step cost grows with the square of R: at 128 requests 256:16 ran twice as
+  fast as pagedq's own limits 2048:256 (benchmarks/RESULTS.md).
 
 HF's eos is disabled (``eos_token_id`` None / -1) rather than masked, so that no HF run stops
 early and greedy tokens stay comparable with pagedq's ``ignore_eos`` (masking eos with
@@ -103,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--skip-hf-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
+    p.add_argument("--cb-limits", default="256:16",
+                   help="transformers' continuous batching runs, comma-separated "
+                        "max_batch_tokens:max_requests_per_batch pairs (pagedq's: 2048:256)")
     p.add_argument("--batch-sizes", default="8,16,32",
                    help="HF static batch sizes, comma-separated")
     p.add_argument("--device", default="cpu", help="cpu or cuda, for every system")
@@ -112,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "last block of each sequence is the only KV waste; 16 on CUDA)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    try:
+        args.cb_limits = [tuple(map(int, pair.split(":"))) for pair in args.cb_limits.split(",")]
+    except ValueError:
+        p.error("--cb-limits takes pairs like 256:16,2048:256")
     if not (0 < args.min_prompt <= args.max_prompt and 0 < args.min_output <= args.max_output):
         p.error("need 0 < min <= max for prompt and output lengths")
     return args
@@ -210,7 +221,7 @@ def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, li
     return Result(f"hf-static B={batch_size}", seconds, cpu, wl.output_tokens), tokens
 
 
-def _cb_config(wl: Workload, cuda_graph: bool | None) -> Any:
+def _cb_config(wl: Workload, cuda_graph: bool | None, limits: tuple[int, int]) -> Any:
     import dataclasses
 
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -221,13 +232,14 @@ def _cb_config(wl: Workload, cuda_graph: bool | None) -> Any:
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     page = "page_size" if "page_size" in fields else "block_size"  # renamed after 5.17
     wanted = {page: CB_PAGE_SIZE, "num_blocks": pages,
-              "max_batch_tokens": PAGEDQ_MAX_BATCHED_TOKENS,
-              "max_requests_per_batch": PAGEDQ_MAX_NUM_SEQS, "auto_switch_to_flash": False,
+              "max_batch_tokens": limits[0], "max_requests_per_batch": limits[1],
+              "auto_switch_to_flash": False,
               "use_cuda_graph": cuda_graph, "use_async_batching": False}
     return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
 
 
-def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
+def run_hf_cb(model: Any, wl: Workload, limits: tuple[int, int]
+              ) -> tuple[Result, list[list[int]]]:
     """On CUDA with transformers' own CUDA graphs (captured in its warm-up, untimed), as
     pagedq uses its own; on the CPU without. Not under inference_mode: the manager's thread
     updates in place the static tensors that its warm-up creates in this one."""
@@ -237,15 +249,16 @@ def run_hf_cb(model: Any, wl: Workload) -> tuple[Result, list[list[int]]]:
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1,
                                   max_new_tokens=max(wl.output_lens))
     accepted = inspect.signature(model.continuous_batching_context_manager).parameters
-    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False),
+    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False, limits),
               "warmup": cuda}
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # older transformers lack some
     with model.continuous_batching_context_manager(generation_config=gen_config,
                                                    **kwargs) as manager:
         results, seconds, cpu = timed(lambda: _cb_generate(manager, wl))
     tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(wl.prompts))]
-    _check_lengths("hf-cb", tokens, wl.output_lens)
-    return Result("hf-cb", seconds, cpu, sum(map(len, tokens))), tokens
+    name = f"hf-cb {limits[0]}:{limits[1]}"
+    _check_lengths(name, tokens, wl.output_lens)
+    return Result(name, seconds, cpu, sum(map(len, tokens))), tokens
 
 
 def _cb_generate(manager: Any, wl: Workload) -> dict[str, Any]:
@@ -284,7 +297,6 @@ def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any
     ours = results[0]
     rows = [[r.system, r.seconds, r.tok_s, ours.tok_s / r.tok_s, r.cpu_seconds, r.tok_cpu_s,
              ours.tok_cpu_s / r.tok_cpu_s, r.load] for r in results]
-    static = [r for r in results if r.system.startswith("hf-static")]
     print(f"\n== throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} prompt "
           f"+ {wl.output_tokens} output tokens, {args.device} {args.dtype}, {threads} threads ==")
     print(format_table(["system", "seconds", "output tok/s", "pagedq x", "cpu s", "tok/cpu-s",
@@ -292,9 +304,11 @@ def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any
     print(f"pagedq x: pagedq's tok/s over the row's; (cpu): the same per CPU-second, steadier "
           f"when others share the cores; load: 1-min load average after the run (> {threads}: "
           f"shared)")
-    if static:
-        best = max(static, key=lambda r: r.tok_s)
-        print(f"best hf-static: {best.system} -> pagedq x{ours.tok_s / best.tok_s:.2f}")
+    for peer in ("hf-static", "hf-cb"):
+        runs = [r for r in results if r.system.startswith(peer)]
+        if runs:
+            best = max(runs, key=lambda r: r.tok_s)
+            print(f"best {peer}: {best.system} -> pagedq x{ours.tok_s / best.tok_s:.2f}")
     print(f"pagedq: block_size={ours.extra['block_size']}, "
           f"kv_blocks_peak={ours.extra['kv_blocks_peak']} of "
           f"{ours.extra['kv_blocks_total']}, kv_utilization_at_peak="
@@ -336,11 +350,11 @@ def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
         log(f"{result.system}: {result.seconds:.1f}s, {result.tok_s:.1f} tok/s")
         results.append(result)
         checks.setdefault("hf-static", agreement(our_tokens[:k], tokens[:k]))
-    if not args.skip_hf_cb:
-        result, tokens = run_hf_cb(model, wl)
+    for limits in [] if args.skip_hf_cb else args.cb_limits:
+        result, tokens = run_hf_cb(model, wl, limits)
         log(f"{result.system}: {result.seconds:.1f}s, {result.tok_s:.1f} tok/s")
         results.append(result)
-        checks["hf-cb"] = agreement(our_tokens[:k], tokens[:k])
+        checks.setdefault("hf-cb", agreement(our_tokens[:k], tokens[:k]))
     report(name, wl, results, checks, args, threads)
     del model
     gc.collect()

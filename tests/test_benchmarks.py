@@ -31,12 +31,12 @@ def run_benchmark(tmp_path: Path):
 def test_throughput(run_benchmark) -> None:
     out = run_benchmark("throughput.py", "--num-requests", "4", "--min-prompt", "4",
                         "--max-prompt", "40", "--min-output", "4", "--max-output", "12",
-                        "--batch-sizes", "2,4")
+                        "--batch-sizes", "2,4", "--cb-limits", "2048:256,64:2")
     systems = [r["system"] for r in out["throughput-tiny"]["results"]]
-    assert systems == ["pagedq", "hf-static B=2", "hf-static B=4", "hf-cb"]
+    assert systems == ["pagedq", "hf-static B=2", "hf-static B=4", "hf-cb 2048:256", "hf-cb 64:2"]
     assert out["throughput-tiny"]["greedy_agreement_first_diff"] == {
         "hf-static": [None] * 4, "hf-cb": [None] * 4}
-    assert "pagedq vs hf-cb: agree" in out["stdout"]
+    assert "pagedq vs hf-cb: agree" in out["stdout"] and "best hf-cb: hf-cb " in out["stdout"]
 
 
 def test_sharing(run_benchmark) -> None:
