@@ -30,24 +30,26 @@ def log(*parts: Any) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-# Random Llamas by name: build_random_checkpoint's keywords (built once under OUT_DIR). "tiny"
-# (its defaults) and "mid" serve the queue benchmark and the benchmarks' smoke tests.
-RANDOM_MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {},
-    "mid": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-            "intermediate_size": 768, "init_std": 0.1},
+# Random Llamas by name: their folder under OUT_DIR (built once) and build_random_checkpoint's
+# keywords. "tiny" (its defaults) and "mid" serve the queue benchmark and the smoke tests.
+RANDOM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("random-llama-tiny", {}),
+    "mid": ("random-llama-256x4", {"hidden_size": 256, "num_layers": 4, "num_heads": 4,
+                                   "num_kv_heads": 2, "intermediate_size": 768, "init_std": 0.1}),
     # hidden 512, 8 layers, 8 heads / 4 KV heads of 64, MLP 1536: the issue's smallest size,
     # for a 128-request CPU run that fits beside the SmolLM2 one.
-    "random-26m": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
-                   "intermediate_size": 1536, "init_std": 0.05},
-    "random": {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4,
-               "intermediate_size": 2048, "init_std": 0.05},  # 77M
+    "random-26m": ("random-llama-26m", {"hidden_size": 512, "num_layers": 8, "num_heads": 8,
+                                        "num_kv_heads": 4, "intermediate_size": 1536,
+                                        "init_std": 0.05}),
+    "random": ("random-llama-77m", {"hidden_size": 768, "num_layers": 12, "num_heads": 12,
+                                    "num_kv_heads": 4, "intermediate_size": 2048,
+                                    "init_std": 0.05}),
     # Llama-3.2-1B's shapes with the random tokenizer's ~1000-token vocabulary: 0.97B
     # parameters, for GPU runs.
-    "random-1b": {"hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
-                  "intermediate_size": 8192, "init_std": 0.02},
+    "random-1b": ("random-llama-1b", {"hidden_size": 2048, "num_layers": 16, "num_heads": 32,
+                                      "num_kv_heads": 8, "intermediate_size": 8192,
+                                      "init_std": 0.02}),
 }
-_FOLDERS = {"random": "random-llama-77m", "mid": "random-llama-256x4"}
 MODELS = (*RANDOM_MODELS, "smollm2")
 
 
@@ -62,8 +64,8 @@ def model_path(name: str) -> Path:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
     from engine.random_model import build_random_checkpoint
 
-    folder = OUT_DIR / _FOLDERS.get(name, f"random-llama-{name.removeprefix('random-')}")
-    return build_random_checkpoint(folder, "llama", **RANDOM_MODELS[name])
+    folder, shape = RANDOM_MODELS[name]
+    return build_random_checkpoint(OUT_DIR / folder, "llama", **shape)
 
 
 def set_threads(threads: int | None) -> int:

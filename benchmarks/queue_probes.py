@@ -34,7 +34,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-
 class Patches:
     """Wraps methods of live objects (instance attributes shadow the class's); ``undo()``."""
 
@@ -96,16 +95,14 @@ class Timers:
 
 
 def instrument(worker: Worker, timers: Timers, patches: Patches) -> None:
-    """Times the worker loop's parts (those of them this worker version has)."""
+    """Times the worker loop's parts."""
     parts = [("tick", worker, "_tick"), ("claims", worker.consumer, "inspect"),
              ("claims", worker.consumer, "refresh"), ("claims", worker.consumer, "reclaim"),
              ("admit", worker.driver, "admit"), ("driver.step", worker.driver, "step"),
-             ("engine.step", worker.engine, "step"), ("flush", worker.publisher, "flush"),
-             ("flush", worker.publisher, "send"), ("collect", worker.publisher, "collect"),
-             ("emit", worker.driver, "emit")]
+             ("engine.step", worker.engine, "step"), ("flush", worker.publisher, "send"),
+             ("collect", worker.publisher, "collect"), ("emit", worker.driver, "emit")]
     for label, obj, name in parts:
-        if hasattr(obj, name):
-            patches.wrap(obj, name, timers.wrapper(label))
+        patches.wrap(obj, name, timers.wrapper(label))
 
     def split_read(read: Callable[..., Any]) -> Callable[..., Any]:
         busy, idle = timers.wrapper("read")(read), timers.wrapper("idle")(read)

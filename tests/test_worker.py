@@ -197,11 +197,13 @@ def test_publisher_fence_applies_a_resent_write_once(redis_url, monkeypatch) -> 
     batch = Batch()
     for seq in range(2):
         batch.event("j", seq, Chunk(sample=0, seq=seq, text="x", token_ids=[seq]))
-    assert not publisher.flush(batch, []).superseded  # applied, then re-sent: a no-op
+    publisher.send(batch, [])
+    assert not publisher.collect().superseded  # applied, then re-sent: a no-op
     assert lost and [e.seq for e in events_of(publisher.conn, "j")] == [0, 1]
     stale = Batch()  # a stalled worker that missed a peer's write
     stale.event("j", 1, Chunk(sample=0, seq=1, text="y", token_ids=[9]))
-    assert publisher.flush(stale, []).superseded == {"j"}
+    publisher.send(stale, [])
+    assert publisher.collect().superseded == {"j"}
     assert [e.seq for e in events_of(publisher.conn, "j")] == [0, 1]
     assert publisher.conn.ttl(results_key("j")) > 0
 

@@ -170,12 +170,6 @@ class Publisher:
                        {j for j, on in zip(sent.watch, canceled, strict=True) if on is not None},
                        read_reply)
 
-    def flush(self, batch: Batch, watch: Iterable[str],
-              read: Callable[[Pipeline], object] | None = None) -> Flushed:
-        """``send`` then ``collect``: one round trip, waited for."""
-        self.send(batch, watch, read)
-        return self.collect()
-
     def close(self) -> None:
         """Reads the reply in flight, if Redis answers before the worker must stop (jobs it
         read stay pending, for a peer), and gives the connection back to the pool."""
