@@ -10,6 +10,11 @@ dropped once per call) and ``rq:results:{id}``. A job leaves the ``rq:queue:{q}`
 while its hash still says ``queued``: the list is scanned once per job (from the head, where
 the oldest jobs are, and only to the first match), never for a job already started. Re-applying
 a transition (a re-sent round trip, a peer's reclaim) changes no count.
+
+A transition may carry a fence: the length the job's result stream (``pagedq:results:{id}``)
+must have when it is applied, else it is skipped. A worker's transitions are fenced as its
+events are, so that a worker that stalled while a peer took its job over writes no RQ state
+for it (the peer's transitions are the truth).
 """
 
 import json
@@ -19,6 +24,7 @@ from base64 import b64encode
 from dataclasses import dataclass, field
 from typing import Any
 
+from .protocol import results_key
 from .rq_mirror import (
     EXECUTION,
     FAILURE_TTL,
@@ -32,9 +38,10 @@ from .rq_mirror import (
 _ENDED = ("finished", "failed", "canceled")
 
 # KEYS: rq:queue:{q}, rq:wip:{q}, rq:finished:{q}, rq:failed:{q}, rq:canceled:{q}, then per
-# transition rq:job:{id} and rq:results:{id}. ARGV: now (unix time), now (RQ's format), then per
-# transition its status and job id, and for ``started`` the worker name, for an end the ttl,
-# exc_info ('' for none), the result type ('' for none, 1 success, 2 failure) and its payload.
+# transition rq:job:{id}, rq:results:{id} and pagedq:results:{id}. ARGV: now (unix time), now
+# (RQ's format), then per transition its status, its fence (the result stream's length; '' for
+# none) and job id, and for ``started`` the worker name, for an end the ttl, exc_info ('' for
+# none), the result type ('' for none, 1 success, 2 failure) and its payload.
 _APPLY = f"""
 local queue, wip = KEYS[1], KEYS[2]
 local ended = {{finished = KEYS[3], failed = KEYS[4], canceled = KEYS[5]}}
@@ -42,37 +49,40 @@ local now, stamp = tonumber(ARGV[1]), ARGV[2]
 local touched = {{}}
 local a, k = 3, 6
 while a <= #ARGV do
-  local status, id, job = ARGV[a], ARGV[a + 1], KEYS[k]
-  if redis.call('HGET', job, 'status') == 'queued' then redis.call('LREM', queue, 1, id) end
-  if status == 'started' then
-    redis.call('ZADD', wip, '+inf', id .. ':{EXECUTION}')
-    redis.call('HSET', job, 'status', status, 'started_at', stamp, 'last_heartbeat', stamp,
-               'worker_name', ARGV[a + 2])
-    a = a + 3
-  else
-    local ttl = tonumber(ARGV[a + 2])
-    redis.call('ZREM', wip, id .. ':{EXECUTION}')
-    for name, key in pairs(ended) do
-      if name == status then
-        redis.call('ZADD', key, now + ttl, id)
-        touched[key] = true
-      else
-        redis.call('ZREM', key, id)
+  -- ARGV[a]: the status, a + 1 the fence, a + 2 the job id, then the status's own arguments
+  local status, fence, id, job = ARGV[a], ARGV[a + 1], ARGV[a + 2], KEYS[k]
+  local width = status == 'started' and 4 or 7
+  if fence == '' or redis.call('XLEN', KEYS[k + 2]) == tonumber(fence) then
+    if redis.call('HGET', job, 'status') == 'queued' then redis.call('LREM', queue, 1, id) end
+    if status == 'started' then
+      redis.call('ZADD', wip, '+inf', id .. ':{EXECUTION}')
+      redis.call('HSET', job, 'status', status, 'started_at', stamp, 'last_heartbeat', stamp,
+                 'worker_name', ARGV[a + 3])
+    else
+      local ttl = tonumber(ARGV[a + 3])
+      redis.call('ZREM', wip, id .. ':{EXECUTION}')
+      for name, key in pairs(ended) do
+        if name == status then
+          redis.call('ZADD', key, now + ttl, id)
+          touched[key] = true
+        else
+          redis.call('ZREM', key, id)
+        end
+      end
+      redis.call('HSET', job, 'status', status, 'ended_at', stamp)
+      if ARGV[a + 4] ~= '' then redis.call('HSET', job, 'exc_info', ARGV[a + 4]) end
+      redis.call('EXPIRE', job, ttl)
+      local kind = ARGV[a + 5]
+      if kind ~= '' then
+        local name = kind == '1' and 'return_value' or 'exc_string'
+        redis.call('XADD', KEYS[k + 1], 'MAXLEN', 10, '*', 'type', kind, 'worker_name', '',
+                   name, ARGV[a + 6])
+        redis.call('EXPIRE', KEYS[k + 1], ttl)
       end
     end
-    redis.call('HSET', job, 'status', status, 'ended_at', stamp)
-    if ARGV[a + 3] ~= '' then redis.call('HSET', job, 'exc_info', ARGV[a + 3]) end
-    redis.call('EXPIRE', job, ttl)
-    local kind = ARGV[a + 4]
-    if kind ~= '' then
-      local name = kind == '1' and 'return_value' or 'exc_string'
-      redis.call('XADD', KEYS[k + 1], 'MAXLEN', 10, '*', 'type', kind, 'worker_name', '',
-                 name, ARGV[a + 5])
-      redis.call('EXPIRE', KEYS[k + 1], ttl)
-    end
-    a = a + 6
   end
-  k = k + 2
+  a = a + width
+  k = k + 3
 end
 for key in pairs(touched) do redis.call('ZREMRANGEBYSCORE', key, 0, now) end
 return 1
@@ -85,10 +95,12 @@ class Transitions:
 
     jobs: list[str] = field(default_factory=list)  # per transition, its job id
     args: list[list[Any]] = field(default_factory=list)  # per transition, its ARGV part
+    fences: list[int | None] = field(default_factory=list)  # per transition, or None
 
-    def started(self, job_id: str, worker_name: str) -> None:
-        """-> started, by ``worker_name``."""
-        self._add(job_id, ["started", job_id, worker_name])
+    def started(self, job_id: str, worker_name: str, fence: int | None = None) -> None:
+        """-> started, by ``worker_name``; ``fence``: the result stream's length it needs
+        (see ``add_to``)."""
+        self._add(job_id, ["started", job_id, worker_name], fence)
 
     def finished(self, job_id: str, result: dict[str, Any], ttl: int = RESULT_TTL) -> None:
         """-> finished; ``result`` (JSON-able) becomes the RQ job's return value."""
@@ -104,29 +116,35 @@ class Transitions:
         """-> canceled."""
         self._add(job_id, ["canceled", job_id, ttl, "", "", ""])
 
-    def _add(self, job_id: str, args: list[Any]) -> None:
+    def _add(self, job_id: str, args: list[Any], fence: int | None = None) -> None:
         self.jobs.append(job_id)
         self.args.append(args)
+        self.fences.append(fence)
 
     def discard(self, job_ids: set[str]) -> None:
         """Forgets the transitions of these jobs (another worker continues them)."""
         keep = [i for i, job_id in enumerate(self.jobs) if job_id not in job_ids]
-        self.jobs, self.args = [self.jobs[i] for i in keep], [self.args[i] for i in keep]
+        self.jobs, self.args, self.fences = ([items[i] for i in keep] for items in (
+            self.jobs, self.args, self.fences))
 
     def __bool__(self) -> bool:
         return bool(self.jobs)
 
-    def add_to(self, pipe: Any, queue: str) -> None:
+    def add_to(self, pipe: Any, queue: str, fences: dict[str, int] | None = None) -> None:
         """Adds the script call that applies every transition to a pipeline (nothing if none).
-        One timestamp for all: they happen in the same round trip."""
+        One timestamp for all: they happen in the same round trip. ``fences``: per job, the
+        length its result stream has once the events sent before this call are written; a
+        transition of such a job, or one given a fence of its own, is applied only if the
+        stream has that length (else another worker wrote it: it owns the job now)."""
         if not self.jobs:
             return
+        fences = fences or {}
         keys = [rq_queue_key(queue),
                 *(registry_key(kind, queue) for kind in ("wip", *_ENDED))]
         now = time.time()
         args: list[Any] = [repr(now), timestamp(now)]
-        for job_id, part in zip(self.jobs, self.args, strict=True):
-            keys += [job_key(job_id), f"rq:results:{job_id}"]
-            args += part
+        for job_id, part, own in zip(self.jobs, self.args, self.fences, strict=True):
+            keys += [job_key(job_id), f"rq:results:{job_id}", results_key(job_id)]
+            fence = fences.get(job_id, own)
+            args += [part[0], "" if fence is None else fence, *part[1:]]
         pipe.eval(_APPLY, len(keys), *keys, *args)
-

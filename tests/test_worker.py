@@ -184,16 +184,16 @@ def test_deadline_ends_the_job(redis_url, tiny_llama) -> None:
 
 def test_publisher_fence_applies_a_resent_write_once(redis_url, monkeypatch) -> None:
     publisher = Publisher(connect(redis_url), QUEUE, 60, give_up=lambda: False)
-    receive, lost = Publisher._receive, []
+    execute, lost = Publisher._execute, []
 
-    def lose_first_reply(self: Publisher) -> list:
-        reply = receive(self)
+    def lose_first_reply(self: Publisher, sent: Any, resent: bool) -> list:
+        reply = execute(self, sent, resent)
         if not lost:
             lost.append(reply)
             raise redis.ConnectionError("the reply was lost")
         return reply
 
-    monkeypatch.setattr(Publisher, "_receive", lose_first_reply)
+    monkeypatch.setattr(Publisher, "_execute", lose_first_reply)
     batch = Batch()
     for seq in range(2):
         batch.event("j", seq, Chunk(sample=0, seq=seq, text="x", token_ids=[seq]))

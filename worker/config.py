@@ -23,15 +23,25 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="cpu, cuda, cuda:1...; auto: cuda when available")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="float32, float16, bfloat16; auto: bfloat16 on CUDA, else float32")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="share of GPU memory for weights, activations and KV")
     max_num_seqs: int = Field(256, ge=1, description="sequences run side by side")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
+    max_model_len: int | None = Field(None, ge=1,
+                                      description="context length cap; unset: the model's")
+    enable_prefix_caching: bool = Field(True, description="reuse cached prompt blocks")
+    enforce_eager: bool = Field(False, description="CUDA: no CUDA graphs for decode")
+    seed: int = Field(0, description="global RNG seed, for jobs without a seed of their own")
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                           min_length=1, description="consumer name in the group; unique")
     reclaim_idle_ms: int = Field(60_000, ge=100,
                                  description="take over jobs whose worker was silent this long")
     max_deliveries: int = Field(3, ge=1, description="deliveries before a job is dead-lettered")
+    dead_letter_max_len: int = Field(10_000, ge=1,
+                                     description="dead letters kept (about; oldest dropped)")
     result_ttl: int = Field(86_400, ge=1, description="seconds a result stream lives")
     grace_period: float = Field(30.0, ge=0,
                                 description="seconds to finish in-flight jobs on SIGTERM")
@@ -50,11 +60,8 @@ class Settings(BaseSettings):
         return url
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
-                            num_kv_blocks=self.num_kv_blocks,
-                            kv_cache_memory_gib=self.kv_cache_memory_gib,
-                            max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens)
+        """Every EngineConfig field has a setting of the same name (a test checks it)."""
+        return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
 
     @property
     def claim_refresh_s(self) -> float:

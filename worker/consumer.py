@@ -73,8 +73,9 @@ def parse(entry_id: str, fields: dict[str, str], reclaimed: bool) -> Delivery:
 
 class Consumer:
     def __init__(self, conn: redis.Redis, queue: str, name: str,
-                 give_up: Callable[[], bool]) -> None:
+                 give_up: Callable[[], bool], dead_letter_max_len: int = 10_000) -> None:
         self.conn = conn
+        self.dead_letter_max_len = dead_letter_max_len
         self.queue = queue
         self.key = queue_key(queue)
         self.name = name
@@ -165,8 +166,13 @@ class Consumer:
             self.conn.xgroup_delconsumer(self.key, GROUP, self.name)
 
     def ack(self, pipe: Pipeline, entry_id: str) -> None:
+        """Acknowledges and deletes the entry, as the publisher's append script does."""
         pipe.xack(self.key, GROUP, entry_id)
+        pipe.xdel(self.key, entry_id)
 
     def dead_letter(self, pipe: Pipeline, delivery: Delivery, reason: str) -> None:
+        """Keeps about the newest ``dead_letter_max_len`` dead letters (trimmed in whole
+        stream nodes, ``MAXLEN ~``, as Redis trims cheaply)."""
         pipe.xadd(dead_key(self.queue), {JOB_FIELD: delivery.raw or "", "reason": reason,
-                                         "deliveries": delivery.deliveries})
+                                         "deliveries": delivery.deliveries},
+                  maxlen=self.dead_letter_max_len, approximate=True)

@@ -26,12 +26,12 @@ from typing import Any
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from engine.detokenizer import Detokenizer
 from engine.llm_engine import LLMEngine, Resume
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling_params import SamplingParams
 from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
 from worker.consumer import Consumer, Delivery
+from worker.intake import Intake
 from worker.metrics import Metrics
 from worker.publisher import Batch
 
@@ -78,28 +78,21 @@ class _Running:
         return [None if reason else Resume(list(ids), sum(map(len, texts))) for reason, ids, texts
                 in zip(self.reasons, self.token_ids, self.texts, strict=True)]
 
-    def held_back(self, i: int, tokenizer: PreTrainedTokenizerBase) -> str:
+    def held_back(self, i: int, engine: LLMEngine) -> str:
         """The text of sample ``i``'s published tokens not published yet: what its detokenizer
-        held back then, rebuilt token by token as a resumed sample's is (exact, O(tokens): ~10
-        us a token, paid only by a cancel that lands while its job is stepped)."""
-        detokenizer = Detokenizer(tokenizer, self.params)
-        detokenizer.resume(self.token_ids[i], sum(map(len, self.texts[i])))
-        return detokenizer.pop_delta(finished=True)
+        held back then (paid only by a cancel that lands while its job is stepped)."""
+        return engine.held_back_text(self.params, self.token_ids[i], sum(map(len, self.texts[i])))
 
 
 class Driver:
     def __init__(self, engine: LLMEngine, consumer: Consumer, max_deliveries: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, intake: Intake) -> None:
         self.engine = engine
         self.consumer = consumer
         self.max_deliveries = max_deliveries
         self.metrics = metrics
+        self.intake = intake
         self.jobs: dict[str, _Running] = {}
-
-    def free_slots(self) -> int:
-        """Sequence slots not taken by an unfinished sample of a job in flight."""
-        busy = sum(s.reasons.count(None) for s in self.jobs.values())
-        return self.engine.config.max_num_seqs - busy
 
     def entry_ids(self) -> list[str]:
         return [s.entry_id for s in self.jobs.values()]
@@ -145,7 +138,8 @@ class Driver:
         self.engine.add_request(job.id, ids, params, job.priority, resume)
         self.jobs[job.id] = state
         self.metrics.job_started(job.id)
-        batch.mirror.started(job.id, self.consumer.name)
+        self.intake.started(len(ids), n)
+        batch.mirror.started(job.id, self.consumer.name, fence=state.written)
         resumed = resume is not None and any(state.token_ids)
         # One INFO line per job ("job ended") keeps logging cheap at thousands of jobs/s.
         (bound.info if resumed else bound.debug)("job started", prompt_tokens=len(ids), n=n,
@@ -231,7 +225,7 @@ class Driver:
         held = {} if stepped or delta is None else {s.index: s.text for s in delta.samples}
         for i, done in enumerate(state.reasons):
             if done is None:  # with the text it held back (samples not forked have none)
-                text = state.held_back(i, self.engine.tokenizer) if stepped else held.get(i, "")
+                text = state.held_back(i, self.engine) if stepped else held.get(i, "")
                 self._emit(state, SampleDelta(i, [], text), reason, batch)
         self._end(state, batch, canceled=reason == "abort")
 

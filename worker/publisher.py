@@ -2,23 +2,35 @@
 so that Redis works while the engine computes: every job's new events with their
 acknowledgements, the RQ mirror's transitions (one script for all jobs), other commands (dead
 letters, acknowledgements), the check for cancellations and the read of the next jobs, in one
-MULTI transaction on a connection of its own. At most one is in flight: its reply is read
-(``collect``) before the next is sent (``send``).
+MULTI transaction. At most one is in flight: its reply is read (``collect``) before the next is
+sent (``send``).
+
+The transaction is a public redis-py pipeline (``transaction=True``) executed on a thread of
+its own, the round trip's only job: the engine's step runs meanwhile (torch releases the GIL;
+the thread holds it only to pack ~1 KB of commands and parse the reply, with hiredis). Its
+replies are looked up by name (``_Sent.slots``), never by position.
 
 Each job's events are appended by a Lua script only if the job's result stream still holds
 exactly as many events as this worker last saw (a fence): of two workers that both think they
 own a job (one stalled past the reclaim time) only one continues its stream; the other learns
-it was superseded. A write re-sent after a lost reply counts as done when the stream already
-holds it (its length then is the expected one plus the write's events), so it lands once.
+it was superseded. The RQ transitions carry the same fence (``Transitions``), so a superseded
+worker writes no RQ state either. A write re-sent after a lost reply counts as done when the
+stream already holds it (its length then is the expected one plus the write's events), so it
+lands once.
+
+Retention: a job's entry is acknowledged and deleted (``XACK`` + ``XDEL``) by the same script
+that writes its last event, so the job stream holds only unread and pending jobs. Deleting the
+one entry just acknowledged never touches an unread or pending one, costs O(1) per job, and is
+not held back by one long job, as ``XTRIM MINID`` below the oldest pending entry would be.
 """
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
 import structlog
 from redis.client import Pipeline
-from redis.connection import AbstractConnection
 
 from producer.protocol import (
     EVENT_FIELD,
@@ -35,11 +47,12 @@ from producer.rq_transitions import Transitions
 from worker.connection import DOWN, retry
 
 log = structlog.get_logger()
+CLOSE_WAIT_S = 5.0  # close() waits this long for the reply in flight, once, never retrying
 
 # KEYS: the job stream, then one result stream per job. ARGV: the group, the result TTL,
 # whether this is a re-send ('1') or not ('0'), then per job: the stream's expected length, the
-# number of events, the entry to XACK ('' for none), the events. Returns per job 1 (written,
-# now or by an earlier try) or 0 (superseded).
+# number of events, the entry to XACK and XDEL ('' for none), the events. Returns per job 1
+# (written, now or by an earlier try) or 0 (superseded).
 _APPEND = f"""
 local i, status, resent = 4, {{}}, ARGV[3] == '1'
 for k = 2, #KEYS do
@@ -50,7 +63,10 @@ for k = 2, #KEYS do
       redis.call('XADD', KEYS[k], '*', '{EVENT_FIELD}', ARGV[i + 2 + e])
     end
     redis.call('EXPIRE', KEYS[k], ARGV[2])
-    if ack ~= '' then redis.pcall('XACK', KEYS[1], ARGV[1], ack) end
+    if ack ~= '' then
+      redis.pcall('XACK', KEYS[1], ARGV[1], ack)
+      redis.pcall('XDEL', KEYS[1], ack)
+    end
     status[k - 1] = 1
   elseif resent and have == start + count then
     status[k - 1] = 1
@@ -68,6 +84,10 @@ class _Append:
     start: int  # events in the job's result stream before these
     events: list[str] = field(default_factory=list)
     ack: str = ""  # the job's stream entry, acknowledged after the events
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.events)
 
 
 @dataclass
@@ -112,8 +132,8 @@ class _Sent:
     batch: Batch
     watch: list[str]
     read: Callable[[Pipeline], object] | None
-    unsent: bool = False  # sending failed: collect() sends it again
-    commands: list[str] = field(default_factory=list)  # names of the commands in its MULTI
+    future: Future | None = None  # the transaction on the round-trip thread; None: unsent
+    slots: dict[str, int] = field(default_factory=dict)  # a named command's place in EXEC
 
 
 class Publisher:
@@ -123,7 +143,7 @@ class Publisher:
         self.queue = queue
         self.result_ttl = result_ttl
         self.give_up = give_up
-        self._writer: AbstractConnection | None = None  # the round trips' own connection
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._sent: _Sent | None = None  # the round trip in flight
 
     @property
@@ -136,11 +156,7 @@ class Publisher:
         command, in one transaction, without waiting for the reply."""
         assert self._sent is None, "collect() the round trip in flight first"
         self._sent = _Sent(batch, list(watch), read)
-        try:
-            self._transmit(resent=False)
-        except DOWN as exc:
-            log.warning("redis unavailable", during="publish", error=str(exc))
-            self._sent.unsent = True
+        self._sent.future = self._thread.submit(self._execute, self._sent, resent=False)
 
     def collect(self) -> Flushed:
         """Reads the reply of the round trip in flight, sending it again until Redis answers
@@ -149,77 +165,66 @@ class Publisher:
         sent = self._sent
         if sent is None:
             return Flushed(set(), set())
-        replies = None
-        if not sent.unsent:
-            try:
-                replies = self._receive()
-            except DOWN as exc:
-                log.warning("redis unavailable", during="publish", error=str(exc))
+        replies = self._reply(sent)
         if replies is None:
-            replies = retry(lambda: self._transmit(resent=True) or self._receive(), "publish",
-                            self.give_up)
+            replies = retry(lambda: self._execute(sent, resent=True), "publish", self.give_up)
         self._sent = None
-        read_reply = replies.pop() if sent.read else None
-        canceled = replies.pop() if sent.watch else []
-        for reply in replies:  # a failed mirror or ack command must not stop the stream
-            if isinstance(reply, Exception):
-                log.error("redis command failed", error=str(reply))
-        job_ids = list(sent.batch.appends)
-        status = replies[0] if job_ids else []
-        return Flushed({j for j, ok in zip(job_ids, status, strict=True) if not ok},
-                       {j for j, on in zip(sent.watch, canceled, strict=True) if on is not None},
-                       read_reply)
+        return self._decode(sent, replies)
 
     def close(self) -> None:
-        """Reads the reply in flight, if Redis answers before the worker must stop (jobs it
-        read stay pending, for a peer), and gives the connection back to the pool."""
-        try:
-            self.collect()
-        finally:
-            if self._writer is not None:
-                if self._sent is not None:  # a reply unread: the connection is out of step
-                    self._writer.disconnect()
-                self.conn.connection_pool.release(self._writer)
-                self._writer = None
+        """Reads the reply in flight if Redis gives it within ``CLOSE_WAIT_S``, without
+        re-sending (jobs it wrote or read stay pending for a peer otherwise), and stops the
+        round-trip thread. Never waits on a Redis that is down: close() runs on the way out,
+        also when the loop raised."""
+        sent, self._sent = self._sent, None
+        if sent is not None and sent.future is not None:
+            try:
+                sent.future.result(CLOSE_WAIT_S)
+            except (*DOWN, TimeoutError) as exc:
+                log.warning("the last round trip's reply was lost", error=str(exc))
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
-    def _transmit(self, resent: bool) -> None:
-        sent = self._sent
-        assert sent is not None
-        batch = sent.batch
-        pipe = self.conn.pipeline(transaction=False)  # only to build the commands
-        if batch.appends:
-            args: list[str | int] = [GROUP, self.result_ttl, int(resent)]
-            for append in batch.appends.values():
-                args += [append.start, len(append.events), append.ack, *append.events]
-            pipe.eval(_APPEND, 1 + len(batch.appends), queue_key(self.queue),
-                      *map(results_key, batch.appends), *args)
-        batch.mirror.add_to(pipe, self.queue)
-        for add in batch.calls:
-            add(pipe)
-        if sent.watch:
-            pipe.mget([cancel_key(job_id) for job_id in sent.watch])
-        if sent.read:
-            sent.read(pipe)
-        commands = [args for args, _ in pipe.command_stack]
-        sent.commands = [str(args[0]) for args in commands]
-        if self._writer is None:
-            self._writer = self.conn.connection_pool.get_connection()
-        packed = self._writer.pack_commands([("MULTI",), *commands, ("EXEC",)])
-        self._writer.send_packed_command([b"".join(packed)])  # one write, not one per chunk
-
-    def _receive(self) -> list:
-        """EXEC's reply: per command its reply (an exception for a failed one), parsed as
-        redis-py parses it."""
-        sent, writer = self._sent, self._writer
-        assert sent is not None and writer is not None
+    def _reply(self, sent: _Sent) -> list | None:
+        """The in-flight transaction's replies; None when Redis did not answer."""
         try:
-            for _ in range(len(sent.commands) + 1):  # MULTI's OK, then QUEUED per command
-                writer.read_response()
-            replies = list(writer.read_response())
-        except redis.ResponseError:  # refused at queue time: the connection is out of step
-            writer.disconnect()
-            raise
-        callbacks = self.conn.response_callbacks
-        return [reply if isinstance(reply, Exception) or name not in callbacks
-                else callbacks[name](reply) for name, reply in zip(sent.commands, replies,
-                                                                    strict=True)]
+            return sent.future.result() if sent.future is not None else None
+        except DOWN as exc:
+            log.warning("redis unavailable", during="publish", error=str(exc))
+            return None
+
+    def _decode(self, sent: _Sent, replies: list) -> Flushed:
+        named = {sent.slots[name]: name for name in sent.slots}
+        for i, reply in enumerate(replies):  # a failed mirror or ack command must not stop it
+            if isinstance(reply, Exception) and named.get(i) != "read":
+                log.error("redis command failed", command=named.get(i, "call"), error=str(reply))
+        job_ids = list(sent.batch.appends)
+        status = replies[sent.slots["append"]] if "append" in sent.slots else []
+        canceled = replies[sent.slots["cancels"]] if "cancels" in sent.slots else []
+        return Flushed({j for j, ok in zip(job_ids, status, strict=True) if not ok},
+                       {j for j, on in zip(sent.watch, canceled, strict=True) if on is not None},
+                       replies[sent.slots["read"]] if "read" in sent.slots else None)
+
+    def _execute(self, sent: _Sent, resent: bool) -> list:
+        """Builds the transaction and runs it; per command its reply (an exception for one
+        that failed)."""
+        batch, slots = sent.batch, sent.slots
+        slots.clear()
+        with self.conn.pipeline(transaction=True) as pipe:
+            if batch.appends:
+                args: list[str | int] = [GROUP, self.result_ttl, int(resent)]
+                for append in batch.appends.values():
+                    args += [append.start, len(append.events), append.ack, *append.events]
+                slots["append"] = len(pipe)
+                pipe.eval(_APPEND, 1 + len(batch.appends), queue_key(self.queue),
+                          *map(results_key, batch.appends), *args)
+            batch.mirror.add_to(pipe, self.queue,
+                                {job_id: a.end for job_id, a in batch.appends.items()})
+            for add in batch.calls:
+                add(pipe)
+            if sent.watch:
+                slots["cancels"] = len(pipe)
+                pipe.mget([cancel_key(job_id) for job_id in sent.watch])
+            if sent.read is not None:
+                slots["read"] = len(pipe)
+                sent.read(pipe)
+            return pipe.execute(raise_on_error=False)

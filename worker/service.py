@@ -3,15 +3,18 @@ step's round trip, publish the step in one round trip; keep in-flight jobs claim
 silent peers' jobs, heartbeat; stop gracefully."""
 
 import time
+from dataclasses import dataclass, field
 
 import structlog
 
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta
 from producer import rq_mirror
 from worker.config import Settings
 from worker.connection import DOWN, GaveUp, connect, retry
 from worker.consumer import Consumer, Delivery
 from worker.driver import Driver
+from worker.intake import Intake
 from worker.metrics import Metrics
 from worker.publisher import Batch, Flushed, Publisher
 
@@ -19,6 +22,15 @@ log = structlog.get_logger()
 IDLE_BLOCK_MS = 500  # how long an idle worker waits for a job before looking around again
 HEARTBEAT_S = 5.0
 WORKER_TTL_S = 30  # RQ's worker record outlives a few missed heartbeats, not a dead worker
+
+
+@dataclass
+class _Tick:
+    """What one pass of the loop carries from phase to phase."""
+
+    now: float
+    taking: bool  # not stopping: new and reclaimed jobs are taken
+    deltas: list[RequestDelta] = field(default_factory=list)  # the step's, to emit
 
 
 class Worker:
@@ -34,8 +46,11 @@ class Worker:
         except BaseException:
             self.metrics.close()
             raise
-        self.consumer = Consumer(self.conn, settings.queue, self.name, self._past_grace)
-        self.driver = Driver(self.engine, self.consumer, settings.max_deliveries, self.metrics)
+        self.consumer = Consumer(self.conn, settings.queue, self.name, self._past_grace,
+                                 settings.dead_letter_max_len)
+        self.intake = Intake(self.engine)
+        self.driver = Driver(self.engine, self.consumer, settings.max_deliveries, self.metrics,
+                             self.intake)
         self.publisher = Publisher(self.conn, settings.queue, settings.result_ttl,
                                    self._past_grace)
         self.log = log.bind(worker=self.name, queue=settings.queue)
@@ -87,48 +102,81 @@ class Worker:
         retry(lambda: rq_mirror.register_worker(self.conn, self.name, [self.consumer.queue],
                                                 WORKER_TTL_S), "register", self._past_grace)
 
-    def _heartbeat(self) -> None:
-        state = "busy" if self.driver.jobs else "idle"
-        if not retry(lambda: rq_mirror.heartbeat(self.conn, self.name, WORKER_TTL_S, state),
-                     "heartbeat", self._past_grace):
-            self._register()  # the record expired (a long stall, or Redis lost its data)
+    # -- the loop: one tick runs these phases, in this order (``_PHASES``) --------------------
+    def _heartbeat(self, tick: _Tick) -> None:
+        """First: a loop stuck anywhere below shows as a stale RQ heartbeat."""
+        if tick.now >= self._next_heartbeat:
+            self._next_heartbeat = tick.now + HEARTBEAT_S
+            state = "busy" if self.driver.jobs else "idle"
+            if not retry(lambda: rq_mirror.heartbeat(self.conn, self.name, WORKER_TTL_S, state),
+                         "heartbeat", self._past_grace):
+                self._register()  # the record expired (a long stall, or Redis lost its data)
 
-    def _tick(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + HEARTBEAT_S
-            self._heartbeat()
-        taking = self._stop_at is None
-        if now >= self._next_claims:
-            self._next_claims = now + self.settings.claim_refresh_s
-            self._settle(self.publisher.collect(), stepped=False)  # its acks land first
-            self.consumer.refresh(self.driver.entry_ids())
-            free = self.driver.free_slots() - len(self._arrived)
-            if taking and free > 0:
-                reclaimed = self.consumer.reclaim(free, self.settings.reclaim_idle_ms)
-                self.consumer.inspect(reclaimed)
-                self._arrived += reclaimed
-        if taking and not (self.driver.jobs or self._batch or self._arrived
-                           or self.publisher.in_flight):
-            self._arrived = self.consumer.read(self.driver.free_slots(), IDLE_BLOCK_MS)
-        if self._arrived and taking:  # once stopping, they stay pending for a peer
+    def _claims(self, tick: _Tick) -> None:
+        """Every ``claim_refresh_s``: reads the round trip in flight first (its acks must land
+        before the claims are refreshed, or an acknowledged job would be claimed again), keeps
+        this worker's jobs claimed, and takes over silent peers' jobs it has room for."""
+        if tick.now < self._next_claims:
+            return
+        self._next_claims = tick.now + self.settings.claim_refresh_s
+        self._settle(self.publisher.collect(), stepped=False)
+        self.consumer.refresh(self.driver.entry_ids())
+        room = self.intake.count(len(self._arrived)) if tick.taking else 0
+        if room > 0:
+            reclaimed = self.consumer.reclaim(room, self.settings.reclaim_idle_ms)
+            self.consumer.inspect(reclaimed)
+            self._arrived += reclaimed
+
+    def _wait_for_jobs(self, tick: _Tick) -> None:
+        """Only with nothing in flight: a blocking read (a busy worker reads in its round
+        trip instead)."""
+        if tick.taking and not (self.driver.jobs or self._batch or self._arrived
+                                or self.publisher.in_flight):
+            self._arrived = self.consumer.read(self.intake.count(0), IDLE_BLOCK_MS)
+
+    def _admit(self, tick: _Tick) -> None:
+        """Before the step, so that jobs read start in it. Once stopping, jobs read stay
+        pending, for a peer."""
+        if self._arrived and tick.taking:
             self.driver.admit(self._arrived, self._batch)
             self._arrived = []
         self.driver.stop_overdue(self._batch)
-        deltas = self.driver.step(self._batch) if self.engine.has_unfinished() else []
-        self._settle(self.publisher.collect(), stepped=True)  # the trip that overlapped the step
-        self.driver.emit(deltas, self._batch)
-        if self._batch or self.driver.jobs:
-            self._publish(self.driver.free_slots() - len(self._arrived) if taking else 0)
-        self.metrics.tick(self.engine.stats)
 
-    def _publish(self, free: int) -> None:
-        """Sends the step's batch; in the same round trip, checks for cancellations and reads
-        as many new jobs as there are free slots. Its reply is read after the next step."""
+    def _step(self, tick: _Tick) -> None:
+        """The engine computes while Redis applies the round trip in flight."""
+        if self.engine.has_unfinished():
+            tick.deltas = self.driver.step(self._batch)
+
+    def _collect(self, tick: _Tick) -> None:
+        """The reply of the round trip that overlapped the step: before the step's tokens are
+        emitted, so that a job canceled or taken over meanwhile gets none of them."""
+        self._settle(self.publisher.collect(), stepped=True)
+
+    def _emit(self, tick: _Tick) -> None:
+        self.driver.emit(tick.deltas, self._batch)
+
+    def _publish(self, tick: _Tick) -> None:
+        """Sends the tick's batch; in the same round trip, checks for cancellations and reads
+        as many new jobs as the engine could start soon. Its reply is read after the next
+        step (``_collect``)."""
+        if not (self._batch or self.driver.jobs):
+            return
+        room = self.intake.count(len(self._arrived)) if tick.taking else 0
         batch, self._batch = self._batch, Batch()
         self.publisher.send(
             batch, list(self.driver.jobs),
-            read=(lambda pipe: self.consumer.read_in(pipe, free)) if free > 0 else None)
+            read=(lambda pipe: self.consumer.read_in(pipe, room)) if room > 0 else None)
+
+    def _metrics(self, tick: _Tick) -> None:
+        self.metrics.tick(self.engine.stats)
+
+    _PHASES = (_heartbeat, _claims, _wait_for_jobs, _admit, _step, _collect, _emit, _publish,
+               _metrics)
+
+    def _tick(self) -> None:
+        tick = _Tick(time.monotonic(), taking=self._stop_at is None)
+        for phase in self._PHASES:
+            phase(self, tick)
 
     def _settle(self, flushed: Flushed, stepped: bool) -> None:
         """Acts on a round trip's reply. ``stepped``: the engine stepped since it was sent, and
