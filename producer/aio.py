@@ -7,21 +7,70 @@
         result = await job.result(timeout=60)
 
 Same semantics as ``producer.client`` (see its docstring): the same submit script, the same
-folding and timeouts (``producer.core``); only the I/O differs.
+folding and timeouts (``producer.core``), the same multiplexing reader (``producer.mux``), here
+a task of the event loop the first subscription runs in; only the I/O differs.
 """
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from redis.asyncio import Redis
+import redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from . import core
-from .client import CANCEL_TTL, DEFAULT_URL
+from .client import CANCEL_TTL, DEFAULT_URL, MAX_CONNECTIONS, POOL_TIMEOUT
 from .core import JobFailed, JobResult, Reader
+from .mux import Streams, Subscription
 from .protocol import Error, Event, cancel_key, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply
+
+
+class AsyncMux:
+    """``producer.mux.Mux`` for asyncio: the reader is a task, started by the first
+    subscription (it runs in that loop: an ``AsyncClient`` belongs to one loop)."""
+
+    def __init__(self, conn: Redis, backoff: float) -> None:
+        self.conn, self.backoff = conn, backoff
+        self.streams = Streams()
+        self.task: asyncio.Task | None = None
+
+    async def subscribe(self, job_id: str) -> Subscription:
+        sub = Subscription(job_id, asyncio.Queue())
+        wake = self.streams.add(sub)
+        if self.task is None:
+            self.task = asyncio.create_task(self._run(), name="pagedq-reader")
+        elif wake:
+            async with self.conn.pipeline(transaction=False) as pipe:
+                self.streams.wake(pipe)
+                await pipe.execute()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self.streams.remove(sub)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        failures = 0
+        while self.streams.subs:
+            try:
+                reply = await self.conn.xread(**self.streams.request())
+            except redis.RedisError as exc:
+                for sub in self.streams.everyone():
+                    sub.inbox.put_nowait(exc)
+                failures += 1
+                await asyncio.sleep(min(2.0, self.backoff * 2 ** min(failures, 6)))
+                continue
+            failures = 0
+            for sub, entries in self.streams.dispatch(reply):
+                sub.inbox.put_nowait(entries)
+        self.task = None
 
 
 class AsyncJobHandle:
@@ -32,9 +81,21 @@ class AsyncJobHandle:
         return f"AsyncJobHandle({self.id!r})"
 
     async def _read(self, reader: Reader) -> AsyncIterator[Event]:
-        while not reader.done:
-            for event in reader.feed(await self.client.redis.xread(**reader.request())):
-                yield event
+        mux = self.client.mux
+        sub = await mux.subscribe(self.id)
+        try:
+            while not reader.done:
+                left = reader.left()  # raises TimeoutError once the time is up
+                try:
+                    item = await asyncio.wait_for(sub.inbox.get(), left)
+                except TimeoutError:
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                for event in reader.feed(item):
+                    yield event
+        finally:
+            mux.unsubscribe(sub)
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Event]:
         """The job's events in order, ending with End; raises JobFailed on an error event and
@@ -61,10 +122,15 @@ class AsyncClient:
     def __init__(self, redis_url: str = DEFAULT_URL, queue: str = "default", *,
                  max_queue_len: int | None = 10_000, retries: int = 10,
                  backoff_base: float = 0.05, backoff_cap: float = 2.0,
-                 cancel_ttl: int = CANCEL_TTL) -> None:
+                 cancel_ttl: int = CANCEL_TTL, max_connections: int = MAX_CONNECTIONS,
+                 pool_timeout: float = POOL_TIMEOUT) -> None:
         self.queue, self.max_queue_len, self.cancel_ttl = queue, max_queue_len, cancel_ttl
         retry = Retry(ExponentialBackoff(cap=backoff_cap, base=backoff_base), retries)
-        self.redis = Redis.from_url(redis_url, decode_responses=True, retry=retry)
+        pool = BlockingConnectionPool.from_url(
+            redis_url, max_connections=max_connections, timeout=pool_timeout,
+            decode_responses=True, retry=retry)
+        self.redis = Redis(connection_pool=pool)
+        self.mux = AsyncMux(self.redis, backoff_base)
 
     async def submit(self, prompt: str | list[int] | None = None, **kwargs: Any) -> AsyncJobHandle:
         """As ``Client.submit``."""
@@ -85,7 +151,9 @@ class AsyncClient:
         return AsyncJobHandle(self, job_id)
 
     async def aclose(self) -> None:
+        await self.mux.close()
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -15,15 +15,19 @@ Decisions:
   running or with results not yet expired) adds nothing and returns a handle to that job. So
   redis-py's retries of a submit whose reply was lost, and resumed batches, never duplicate.
 - Connection errors and timeouts are retried by redis-py with exponential backoff
-  (``retries`` attempts, ``backoff_base`` doubling up to ``backoff_cap`` seconds); a read loop
-  keeps the id of the last entry it saw, so after a reconnect it resumes there: no event is
-  lost or repeated.
+  (``retries`` attempts, ``backoff_base`` doubling up to ``backoff_cap`` seconds); the reader
+  keeps the id of the last entry each handle saw, so after a reconnect it resumes there: no
+  event is lost or repeated.
+- One reader thread per client reads every stream its handles wait on (``producer.mux``);
+  connections are at most ``max_connections`` (16: the reader's, the wake-ups', the commands'),
+  and a thread that finds them all busy waits up to ``pool_timeout`` seconds for one.
 - ``stream(timeout)`` bounds the silence between events; ``result(timeout)`` the whole wait.
   Both raise ``TimeoutError``; an ``error`` event raises ``JobFailed``.
 - ``cancel()`` sets ``pagedq:cancel:{id}`` for ``cancel_ttl`` seconds; the worker aborts the
   job within one engine step and ends its samples with finish reason ``abort``.
 """
 
+import queue
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,11 +37,14 @@ from redis.retry import Retry
 
 from . import core
 from .core import JobFailed, JobResult, Reader
+from .mux import Mux
 from .protocol import GROUP, Error, Event, cancel_key, dead_key, queue_key, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply, worker_key
 
 DEFAULT_URL = "redis://localhost:6379/0"
 CANCEL_TTL = 24 * 3600  # long enough for a queued job to be picked up and see it
+MAX_CONNECTIONS = 16
+POOL_TIMEOUT = 30.0
 
 
 class JobHandle:
@@ -48,8 +55,20 @@ class JobHandle:
         return f"JobHandle({self.id!r})"
 
     def _read(self, reader: Reader) -> Iterator[Event]:
-        while not reader.done:
-            yield from reader.feed(self.client.redis.xread(**reader.request()))
+        mux = self.client.mux
+        sub = mux.subscribe(self.id)
+        try:
+            while not reader.done:
+                left = reader.left()  # raises TimeoutError once the time is up
+                try:
+                    item = sub.inbox.get(timeout=left)
+                except queue.Empty:
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield from reader.feed(item)
+        finally:
+            mux.unsubscribe(sub)
 
     def stream(self, timeout: float | None = None) -> Iterator[Event]:
         """The job's events in order, ending with End; raises JobFailed on an error event and
@@ -76,10 +95,15 @@ class Client:
     def __init__(self, redis_url: str = DEFAULT_URL, queue: str = "default", *,
                  max_queue_len: int | None = 10_000, retries: int = 10,
                  backoff_base: float = 0.05, backoff_cap: float = 2.0,
-                 cancel_ttl: int = CANCEL_TTL) -> None:
+                 cancel_ttl: int = CANCEL_TTL, max_connections: int = MAX_CONNECTIONS,
+                 pool_timeout: float = POOL_TIMEOUT) -> None:
         self.queue, self.max_queue_len, self.cancel_ttl = queue, max_queue_len, cancel_ttl
         retry = Retry(ExponentialBackoff(cap=backoff_cap, base=backoff_base), retries)
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, retry=retry)
+        pool = redis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=max_connections, timeout=pool_timeout,
+            decode_responses=True, retry=retry)
+        self.redis = redis.Redis(connection_pool=pool)
+        self.mux = Mux(self.redis, backoff_base)
 
     def submit(self, prompt: str | list[int] | None = None, **kwargs: Any) -> JobHandle:
         """Submits one job: ``prompt`` (text or token ids) or ``messages=[{"role", "content"}]``;
@@ -121,7 +145,9 @@ class Client:
         }
 
     def close(self) -> None:
+        self.mux.close()
         self.redis.close()
+        self.redis.connection_pool.disconnect()
 
     def __enter__(self) -> "Client":
         return self

@@ -8,6 +8,8 @@ Decisions:
   by then, as the RQ mirror records it).
 - Reads block in slices of at most ``BLOCK_SLICE`` seconds, below redis-py's default socket
   timeout, so that a blocked read is never mistaken for a dead connection.
+- Result streams are read by one reader per client (``producer.mux``), which hands each
+  ``Reader`` its stream's new entries.
 """
 
 import time
@@ -17,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from .protocol import EVENT_FIELD, Chunk, Done, End, Error, Event, Job, Sampling, Usage, results_key
+from .protocol import EVENT_FIELD, Chunk, Done, End, Error, Event, Job, Sampling, Usage
 
 BLOCK_SLICE = 1.0
 READ_COUNT = 512  # events per read
@@ -76,11 +78,11 @@ def decode_entries(entries: list[tuple[str, dict[str, str]]]) -> list[tuple[str,
     return [(entry_id, _EVENT.validate_json(fields[EVENT_FIELD])) for entry_id, fields in entries]
 
 
-def xread_entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
-    """The entries of a one-stream XREAD reply (RESP2 list or RESP3 dict)."""
+def xread_streams(reply: Any) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]:
+    """``(stream, entries)`` per stream of an XREAD reply (RESP2 list or RESP3 dict)."""
     if not reply:
         return []
-    return next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    return list(reply.items()) if isinstance(reply, dict) else [(k, e) for k, e in reply]
 
 
 def is_last(event: Event) -> bool:
@@ -119,33 +121,33 @@ def fold(job_id: str, events: list[Event]) -> JobResult:
 
 
 class Reader:
-    """The state of a loop reading one job's result stream: the entry id it resumes from (after
-    a reconnect too), the events seen, and its clock: ``timeout`` seconds in all, or of silence
-    when ``idle``. Each turn: ``xread(**reader.request())``, then ``reader.feed(reply)``."""
+    """The state of a loop reading one job's result stream: the events seen, and its clock:
+    ``timeout`` seconds in all, or of silence when ``idle``. Each turn: wait up to
+    ``reader.left()`` seconds for entries, then ``reader.feed(entries)``."""
 
     def __init__(self, job_id: str, timeout: float | None, idle: bool = False) -> None:
         self.job_id, self.timeout, self.idle = job_id, timeout, idle
-        self.last, self.seen, self.done = "0-0", [], False
+        self.seen, self.done = [], False
         self.until = self._until()
 
     def _until(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
 
-    def request(self) -> dict[str, Any]:
-        """XREAD's arguments; raises TimeoutError once the time is up."""
-        left = BLOCK_SLICE if self.until is None else self.until - time.monotonic()
+    def left(self) -> float | None:
+        """Seconds left to wait (None: no limit); raises TimeoutError once the time is up."""
+        if self.until is None:
+            return None
+        left = self.until - time.monotonic()
         if left <= 0:
             what = "no event" if self.idle else "the job did not finish"
             raise TimeoutError(f"job {self.job_id}: {what} within {self.timeout} s (status "
                                f"{status_of(self.seen)!r}, {len(self.seen)} events so far)")
-        return {"streams": {results_key(self.job_id): self.last}, "count": READ_COUNT,
-                "block": max(1, int(min(left, BLOCK_SLICE) * 1000))}
+        return left
 
-    def feed(self, reply: Any) -> list[Event]:
-        """The new events of an XREAD reply, up to the job's last one."""
+    def feed(self, entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
+        """The events of new stream entries, up to the job's last one."""
         events = []
-        for entry_id, event in decode_entries(xread_entries(reply)):
-            self.last = entry_id
+        for _, event in decode_entries(entries):
             events.append(event)
             if is_last(event):
                 self.done = True

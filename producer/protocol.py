@@ -10,6 +10,8 @@ id):
 - ``pagedq:cancel:{id}``: present (with a TTL) once the job is to be canceled.
 - ``pagedq:dead:{q}``: the dead-letter stream: entries with ``job`` (the raw field as received),
   ``reason`` and ``deliveries``.
+- ``pagedq:wake:{c}``: a client's wake-up stream (``c``: a random id per client): its reader
+  blocks on it beside the result streams, and a new reader of a job is added by an entry there.
 - ``rq:*``: the RQ mirror (see ``producer.rq_mirror``): a view for rq-dashboard, never read back.
 """
 
@@ -38,6 +40,10 @@ def cancel_key(job_id: str) -> str:
 
 def dead_key(queue: str) -> str:
     return f"{PREFIX}:dead:{queue}"
+
+
+def wake_key(client_id: str) -> str:
+    return f"{PREFIX}:wake:{client_id}"
 
 
 class _Strict(BaseModel):
