@@ -42,7 +42,10 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(3, ge=1, description="deliveries before a job is dead-lettered")
     dead_letter_max_len: int = Field(10_000, ge=1,
                                      description="dead letters kept (about; oldest dropped)")
-    result_ttl: int = Field(86_400, ge=1, description="seconds a result stream lives")
+    result_ttl: int = Field(86_400, ge=1, description="seconds a result stream and the RQ "
+                            "record of a finished or canceled job live")
+    failure_ttl: int = Field(604_800, ge=1,
+                             description="seconds the RQ record of a failed job lives")
     grace_period: float = Field(30.0, ge=0,
                                 description="seconds to finish in-flight jobs on SIGTERM")
     threads: int | None = Field(None, ge=1, description="torch threads; unset: torch's default")

@@ -86,8 +86,9 @@ class _Running:
 
 class Driver:
     def __init__(self, engine: LLMEngine, consumer: Consumer, max_deliveries: int,
-                 metrics: Metrics, intake: Intake) -> None:
+                 metrics: Metrics, intake: Intake, ttls: tuple[int, int]) -> None:
         self.engine = engine
+        self.ttls = ttls  # how long RQ keeps a finished or canceled record, a failed one
         self.consumer = consumer
         self.max_deliveries = max_deliveries
         self.metrics = metrics
@@ -152,7 +153,7 @@ class Driver:
         bound.warning("job failed", code=code, message=message)
         self.metrics.job_ended(job_id, "dead_letter" if code == "dead_letter" else "failed")
         batch.event(job_id, start, Error(code=code, message=message), ack=entry_id)
-        batch.mirror.failed(job_id, f"{code}: {message}")
+        batch.mirror.failed(job_id, f"{code}: {message}", self.ttls[1])
 
     def step(self, batch: Batch) -> list[RequestDelta]:
         """One engine step. Its deltas are published by ``emit``, once the caller knows which
@@ -202,14 +203,14 @@ class Driver:
         self.metrics.job_ended(job_id, "canceled" if canceled else "finished")
         state.emit(batch, End(usage=usage), ack=state.entry_id)
         if canceled:
-            batch.mirror.canceled(job_id)
+            batch.mirror.canceled(job_id, self.ttls[0])
         else:
             result = {"outputs": [{"index": i, "text": "".join(texts), "finish_reason": reason,
                                    "completion_tokens": len(ids)} for i, (texts, reason, ids)
                                   in enumerate(zip(state.texts, state.reasons, state.token_ids,
                                                    strict=True))],
                       "usage": usage.model_dump()}
-            batch.mirror.finished(job_id, result)
+            batch.mirror.finished(job_id, result, self.ttls[0])
         state.log.info("job ended", canceled=canceled, n=len(state.reasons),
                        prompt_tokens=usage.prompt_tokens,
                        completion_tokens=usage.completion_tokens)

@@ -50,7 +50,7 @@ class Worker:
                                  settings.dead_letter_max_len)
         self.intake = Intake(self.engine)
         self.driver = Driver(self.engine, self.consumer, settings.max_deliveries, self.metrics,
-                             self.intake)
+                             self.intake, (settings.result_ttl, settings.failure_ttl))
         self.publisher = Publisher(self.conn, settings.queue, settings.result_ttl,
                                    self._past_grace)
         self.log = log.bind(worker=self.name, queue=settings.queue)
