@@ -5,6 +5,7 @@ in the last TTL before the last transition; each transition drops the expired on
 
 import time
 
+import pytest
 from test_worker import QUEUE, one_torch_thread, serving  # noqa: F401
 
 from producer import Client
@@ -21,6 +22,7 @@ def used_memory(client: Client) -> int:
     return client.redis.info("memory")["used_memory"]
 
 
+@pytest.mark.slow
 def test_tens_of_thousands_of_jobs_leave_redis_as_it_was(redis_url, tiny_llama) -> None:
     client = Client(redis_url, queue=QUEUE, max_queue_len=None)
     with serving(redis_url, tiny_llama, "soak", max_num_seqs=256, result_ttl=TTL,
