@@ -37,6 +37,7 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
     random_prompt,
     usable_token_ids,
 )
+
 from producer import Client  # noqa: E402
 from producer.rq_mirror import WORKERS, job_key  # noqa: E402
 from worker.redis_server import RedisServer  # noqa: E402
