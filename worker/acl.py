@@ -1,0 +1,33 @@
+"""pagedq's Redis users (``worker/redis.acl``): ``producer`` (submit, stream, cancel, status,
+stats), ``worker`` (every data command on ``pagedq:*`` and ``rq:*``, nothing of ``@admin`` or
+``@dangerous``: no FLUSHALL, CONFIG, KEYS, ACL...), ``dashboard`` (reads ``rq:*``) and
+``default`` (the operator's). The file holds ``@NAME_PASSWORD@`` placeholders: compose's redis
+service fills them in with ``sed`` from its environment at start-up (the image has no Python);
+``render`` does the same here, for tests and for hosts without compose.
+
+Why a producer's rules are narrow: its submit script (EVAL) needs its keys readable and
+writable, so ``rq:job:*`` is in its key patterns, but no command that reads a hash is granted
+there: it can create RQ records, never read them. ``SET`` is granted on cancel keys only,
+``EXPIRE`` on its wake-up streams only, ``HGETALL`` / ``SMEMBERS`` on worker records only (a
+selector each). It holds no XREADGROUP, XACK, XCLAIM or DEL: it cannot act as a worker.
+"""
+
+import re
+from pathlib import Path
+
+TEMPLATE = Path(__file__).with_name("redis.acl")
+PLACEHOLDER = re.compile(r"@([A-Z]+)_PASSWORD@")
+
+
+def placeholders(template: str | None = None) -> set[str]:
+    """The users whose passwords the template needs (``ADMIN``, ``PRODUCER``...)."""
+    return set(PLACEHOLDER.findall(TEMPLATE.read_text() if template is None else template))
+
+
+def render(passwords: dict[str, str], template: str | None = None) -> str:
+    """The ACL file with ``passwords`` (by placeholder name: ``{"ADMIN": ...}``) filled in."""
+    text = TEMPLATE.read_text() if template is None else template
+    missing = placeholders(text) - passwords.keys()
+    if missing:
+        raise ValueError(f"no password for {sorted(missing)}")
+    return PLACEHOLDER.sub(lambda m: passwords[m.group(1)], text)
