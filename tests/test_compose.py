@@ -12,9 +12,11 @@ import jsonschema
 import pytest
 from compose_file import ROOT, active, compose_schema, gpu_ids, load
 
+from worker.acl import placeholders
 from worker.config import Settings
 
-ENV = {"REDIS_PASSWORD": "s3cret", "DASHBOARD_PASSWORD": "dash"}
+ENV = {"REDIS_PASSWORD": "s3cret", "DASHBOARD_PASSWORD": "dash", "PRODUCER_REDIS_PASSWORD": "pp",
+       "WORKER_REDIS_PASSWORD": "ww", "DASHBOARD_REDIS_PASSWORD": "dd"}
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
@@ -27,7 +29,7 @@ def test_compose_yaml_follows_the_specification() -> None:
     assert list(validator.iter_errors(broken))  # the schema does catch a wrong key
 
 
-@pytest.mark.parametrize("missing", ["REDIS_PASSWORD", "DASHBOARD_PASSWORD"])
+@pytest.mark.parametrize("missing", list(ENV))
 def test_passwords_are_required(missing: str) -> None:
     with pytest.raises(ValueError, match=missing):
         load({k: v for k, v in ENV.items() if k != missing})
@@ -36,8 +38,12 @@ def test_passwords_are_required(missing: str) -> None:
 def test_redis_persists_and_checks_health() -> None:
     redis = load(ENV)["services"]["redis"]
     command = " ".join(redis["command"])
-    assert "--appendonly yes" in command and "--requirepass s3cret" in command
+    assert "--appendonly yes" in command and "--aclfile /data/users.acl" in command
     assert redis["environment"]["REDIS_PASSWORD"] == "s3cret"  # for the healthcheck
+    render = redis["entrypoint"][2]  # fills in every placeholder of the ACL file
+    assert "./worker/redis.acl:/etc/pagedq/redis.acl:ro" in redis["volumes"]
+    for user in placeholders():
+        assert f"s/@{user}_PASSWORD@/$" in render, user
     assert redis["healthcheck"]["test"][0] == "CMD-SHELL"
     assert "redis-cli ping" in redis["healthcheck"]["test"][1]
     assert any(v.endswith(":/data") for v in redis["volumes"])
@@ -75,7 +81,7 @@ def test_worker_environment_names_real_settings() -> None:
             assert key.removeprefix("PAGEDQ_").lower() in Settings.model_fields, key
         if name.startswith("worker"):
             assert service["environment"]["PAGEDQ_REDIS_URL"] == \
-                "redis://:s3cret@redis:6379/0"
+                "redis://worker:ww@redis:6379/0"  # its own Redis user
 
 
 def test_dashboard_on_localhost_with_auth() -> None:
@@ -83,6 +89,7 @@ def test_dashboard_on_localhost_with_auth() -> None:
     assert all(p.startswith("127.0.0.1:") for p in dashboard["ports"])
     env = dashboard["environment"]
     assert (env["RQ_DASHBOARD_USERNAME"], env["RQ_DASHBOARD_PASSWORD"]) == ("ops", "dash")
+    assert env["RQ_DASHBOARD_REDIS_URL"] == "redis://dashboard:dd@redis:6379/0"
     command = dashboard["command"]
     assert command[0] == "rq-dashboard" and {"--json", "--disable-delete"} <= set(command)
     assert command[command.index("--config") + 1] == "worker.dashboard_config"

@@ -36,7 +36,9 @@ from producer import Client
 from producer.protocol import Chunk, End
 from worker.redis_server import RedisServer, free_port
 
-ENV = {"REDIS_PASSWORD": "stack-pw-0123", "DASHBOARD_PASSWORD": "dash-pw-4567"}
+ENV = {"REDIS_PASSWORD": "stack-pw-0123", "DASHBOARD_PASSWORD": "dash-pw-4567",
+       "PRODUCER_REDIS_PASSWORD": "prod-pw-89ab", "WORKER_REDIS_PASSWORD": "work-pw-cdef",
+       "DASHBOARD_REDIS_PASSWORD": "dash-redis-pw-0246"}
 USER = "admin"  # DASHBOARD_USERNAME's default
 DOCKERFILE = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # continuation lines
 BIN = Path(sys.executable).parent
@@ -110,8 +112,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, smollm2: Path):
     """Runs the stack and a run of jobs once; yields what the tests check."""
     tmp = tmp_path_factory.mktemp("stack")
     compose = load(ENV)["services"]
-    server = RedisServer(data_dir=tmp, password=ENV["REDIS_PASSWORD"],
-                         extra_args=compose["redis"]["command"][1:]).start()
+    redis_service = compose["redis"]
+    acl = tmp / "users.acl"  # the entrypoint's own rendering, its paths made local
+    render = redis_service["entrypoint"][2].replace("/etc/pagedq/redis.acl",
+                                                    str(ROOT / "worker" / "redis.acl"))
+    render = render.replace("/data/users.acl", str(acl)).split(" && exec")[0]
+    subprocess.run(["sh", "-c", render], check=True, env=base_env() | redis_service[
+        "environment"])
+    server = RedisServer(data_dir=tmp, password=ENV["REDIS_PASSWORD"], extra_args=[
+        str(acl) if a == "/data/users.acl" else a for a in redis_service["command"][1:]]).start()
     procs: list[subprocess.Popen] = []
     out = SimpleNamespace(redis_config=redis.Redis.from_url(server.url).config_get("append*"),
                           redis_port=server.port)
