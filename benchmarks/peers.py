@@ -6,7 +6,8 @@ so that its peak RSS and CPU seconds are its own, in the order pagedq, peer, pee
 again for each round: a load that comes and goes on the shared cores then hits every system
 alike. Systems:
 
-- ``pagedq``: ``LLM.generate`` (this file run as a script in the project's venv);
+- ``pagedq``: ``LLM.generate`` (this file run as a script in the project's venv), with
+  tcmalloc preloaded as vLLM has it (the transformers peers too);
 - ``hf-static B=b`` / ``hf-cb T:R``: benchmarks/throughput.py's transformers runs (greedy);
 - ``vllm``: vLLM's CPU build in .venv-vllm (benchmarks/vllm_peer.sh builds it), through
   benchmarks/vllm_child.py, with what its CPU docs advise: tcmalloc and Intel's OpenMP
@@ -35,6 +36,7 @@ from proctree import cpu_seconds, peak_rss_mb  # noqa: E402
 ROOT = _HERE.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 KV_CACHE_GIB = 4
+TCMALLOC = Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
 def make_spec(model: Path, requests: list[dict[str, Any]], *, threads: int, block_size: int,
@@ -61,11 +63,14 @@ def vllm_missing() -> str | None:
     return None
 
 
+def _preload(*libs: Path) -> str:
+    return ":".join(str(p) for p in libs if p.exists())
+
+
 def _vllm_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # vLLM's own choice
-    preload = [str(p) for p in (Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
-                                ROOT / ".venv-vllm" / "lib" / "libiomp5.so") if p.exists()]
-    env.update(LD_PRELOAD=":".join(preload), VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+    env.update(LD_PRELOAD=_preload(TCMALLOC, ROOT / ".venv-vllm" / "lib" / "libiomp5.so"),
+               VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", HF_HUB_OFFLINE="1",
                PYTHONPATH="", VLLM_LOGGING_LEVEL="WARNING")
     return env
@@ -81,7 +86,8 @@ def run(system: str, spec: dict[str, Any]) -> dict[str, Any]:
             cmd = [str(VLLM_PYTHON), str(_HERE / "vllm_child.py")]
             env = _vllm_env(spec["threads"])
         else:
-            cmd, env = [sys.executable, str(Path(__file__).resolve()), system], dict(os.environ)
+            cmd = [sys.executable, str(Path(__file__).resolve()), system]
+            env = os.environ | {"LD_PRELOAD": _preload(TCMALLOC)}  # the allocator vLLM gets
         done = subprocess.run([*cmd, str(spec_path), str(out_path)], env=env, check=False,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:

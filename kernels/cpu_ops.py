@@ -1,14 +1,14 @@
 """The CPU fast path: a paged decode attention and the row-wise ops (RMSNorm with its residual
-add, rotary, SiLU-and-mul) compiled by numba; the other ops from ``kernels.reference``.
+add, rotary) compiled by numba; the other ops from ``kernels.reference``.
 
 The reference decode gathers each sequence's blocks into a padded copy and then runs SDPA over
 it: three passes over the KV bytes per layer and step, plus the padding. This kernel reads K and
 V once, straight from the pool, one sequence per task, so ragged rows cost only their own
 length. The row-wise ops are one pass each where torch takes 4-7 (the reference RMSNorm is
-add, pow, mean, add, rsqrt, mul, mul; rotary indexes the tables, then mul, neg, cat, mul, add):
-on random-26m at 128 sequences they took 22 % of the step's CPU time (torch.profiler, in
-benchmarks/RESULTS.md). Only float32 tensors take these kernels (numba has no bfloat16);
-others use the reference.
+add, pow, mean, add, rsqrt, mul, mul; rotary indexes the tables, then mul, neg, cat, mul, add).
+Only float32 tensors take these kernels (numba has no bfloat16); others use the reference.
+SiLU stays torch's: numba's ``np.exp`` is scalar without Intel's SVML, 6x slower than torch's
+vectorised silu at 128 rows.
 """
 
 import numba
@@ -24,6 +24,11 @@ from kernels.reference import (  # noqa: F401  (re-exported: the dispatch looks 
 
 _JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True,
         "error_model": "numpy"}
+_SERIAL = _JIT | {"parallel": False}
+# Row-wise ops below this many elements run on one thread, as torch's elementwise ops do below
+# their grain size: waking the second thread cost more than it saved at a decode batch of 128
+# (rotary 345 us on two threads against 197 us on one).
+_PARALLEL_GRAIN = 1 << 16
 
 
 @numba.njit(**_JIT)
@@ -108,9 +113,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.to(q.dtype)
 
 
-@numba.njit(**_JIT)
-def _rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float,
-              add: bool, out: np.ndarray, res_out: np.ndarray) -> None:  # pragma: no cover
+def _rms_norm_rows(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float,
+                   add: bool, out: np.ndarray, res_out: np.ndarray) -> None:  # pragma: no cover
     rows, size = x.shape
     for r in numba.prange(rows):
         total = np.float32(0.0)
@@ -123,6 +127,9 @@ def _rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: floa
             out[r, i] = weight[i] * (res_out[r, i] * inv)
 
 
+_rms_norm = (numba.njit(**_SERIAL)(_rms_norm_rows), numba.njit(**_JIT)(_rms_norm_rows))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.reference.rms_norm``'s contract in one pass over each row: the residual add,
@@ -133,15 +140,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x = x.contiguous()
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
-    _rms_norm(x.numpy(), (residual if residual is not None else x).contiguous().numpy(),
-              weight.detach().numpy(), eps, residual is not None, out.numpy(), res_out.numpy())
+    res_in = residual.contiguous() if residual is not None else x
+    _rms_norm[x.numel() >= _PARALLEL_GRAIN](x.numpy(), res_in.numpy(), weight.detach().numpy(),
+                                            eps, residual is not None, out.numpy(),
+                                            res_out.numpy())
     _restore_torch_threads(threads)
     return out, res_out
 
 
-@numba.njit(**_JIT)
-def _rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
-            out: np.ndarray) -> None:  # pragma: no cover
+def _rotary_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+                 out: np.ndarray) -> None:  # pragma: no cover
     tokens, heads, dim = x.shape
     half = dim // 2
     for t in numba.prange(tokens):
@@ -151,6 +159,9 @@ def _rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarr
                 x1, x2 = x[t, h, d], x[t, h, d + half]
                 out[t, h, d] = x1 * cos[p, d] - x2 * sin[p, d]
                 out[t, h, d + half] = x2 * cos[p, d + half] + x1 * sin[p, d + half]
+
+
+_rotary = (numba.njit(**_SERIAL)(_rotary_rows), numba.njit(**_JIT)(_rotary_rows))
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -164,27 +175,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     outs = []
     for x in (q, k):  # strided views of the fused qkv output are read as they are
         out = torch.empty(x.shape, dtype=x.dtype)
-        _rotary(x.numpy(), cos.numpy(), sin.numpy(), pos, out.numpy())
+        _rotary[x.numel() >= _PARALLEL_GRAIN](x.numpy(), cos.numpy(), sin.numpy(), pos,
+                                              out.numpy())
         outs.append(out)
     _restore_torch_threads(threads)
     return outs[0], outs[1]
-
-
-@numba.njit(**_JIT)
-def _silu_and_mul(x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
-    rows, width = out.shape
-    for r in numba.prange(rows):
-        for i in range(width):
-            g = x[r, i]
-            out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * x[r, i + width]
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``kernels.reference.silu_and_mul``'s contract in one pass."""
-    if not _fast(x) or x.dim() != 2:
-        return reference.silu_and_mul(x)
-    threads = _match_torch_threads()
-    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-    _silu_and_mul(x.contiguous().numpy(), out.numpy())
-    _restore_torch_threads(threads)
-    return out

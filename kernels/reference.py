@@ -110,4 +110,4 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation on the fused gate/up output ``[T, 2 * I]``: ``silu(gate) * up``."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer per layer
