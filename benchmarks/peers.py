@@ -34,7 +34,7 @@ from common import format_table, log  # noqa: E402
 from proctree import cpu_seconds, peak_rss_mb  # noqa: E402
 
 ROOT = _HERE.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(os.environ.get("PAGEDQ_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 KV_CACHE_GIB = 4
 TCMALLOC = Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -69,7 +69,7 @@ def _preload(*libs: Path) -> str:
 
 def _vllm_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # vLLM's own choice
-    env.update(LD_PRELOAD=_preload(TCMALLOC, ROOT / ".venv-vllm" / "lib" / "libiomp5.so"),
+    env.update(LD_PRELOAD=_preload(TCMALLOC, VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"),
                VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", HF_HUB_OFFLINE="1",
                PYTHONPATH="", VLLM_LOGGING_LEVEL="WARNING")
