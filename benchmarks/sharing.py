@@ -14,6 +14,13 @@ Prints each run's peak KV blocks (``stats()["kv_blocks_peak"]``) and its ratio t
 run's, output tokens/s and the shared run's tokens/s over each (its speed-up), and writes
 benchmarks/out/sharing-<model>.json.
 
+With ``--peers vllm`` the shared request (one prompt, n samples) also runs on vLLM's CPU
+build: each system in a process of its own, alternating with pagedq over ``--rounds``
+(benchmarks/peers.py), prefix caching on in both (vLLM runs a request's n samples as n
+requests and shares the prompt through its prefix cache); writes
+benchmarks/out/sharing-peers-<model>.json. The transformers peers take greedy n=1 requests
+only, so they have no part here.
+
     .venv/bin/python benchmarks/sharing.py
 """
 
@@ -73,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--peers", choices=["vllm"], default=None,
+                   help="run the shared request on vLLM too, alternating (benchmarks/peers.py)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the --peers alternation")
+    p.add_argument("--vllm-block-size", type=int, default=128,
+                   help="vLLM's KV block size (its CPU build takes multiples of 32)")
     return p.parse_args(argv)
 
 
@@ -120,12 +132,33 @@ def report(name: str, rows: list[Row], args: argparse.Namespace, threads: int) -
     })
 
 
+def bench_peers(path: Path, prompt: list[int], args: argparse.Namespace, threads: int) -> None:
+    import peers
+
+    if why := peers.vllm_missing():
+        print(f"vllm left out: {why}")
+        return
+    request = {"prompt": prompt, "n": args.n, "temperature": args.temperature,
+               "seed": args.seed, "max_tokens": args.max_tokens}
+    spec = peers.make_spec(path, [request], threads=threads, block_size=16,
+                           vllm_block_size=args.vllm_block_size, prefix_caching=True)
+    rows = peers.report(f"sharing: model={args.model}, n={args.n} on a {args.prompt_len}-token "
+                        f"prompt, {args.max_tokens} tokens each, temperature {args.temperature}, "
+                        f"{threads} threads, {args.rounds} rounds",
+                        peers.alternate(["pagedq", "vllm"], spec, args.rounds))
+    write_json(OUT_DIR / f"sharing-peers-{args.model}.json", {
+        "model": args.model, "args": vars(args), "threads": threads, "rows": rows})
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     threads = set_threads(args.threads)
     path = model_path(args.model)
     prompt = random_prompt(np.random.default_rng(args.seed), usable_token_ids(path),
                            args.prompt_len)
+    if args.peers:
+        bench_peers(path, prompt, args, threads)
+        return
     separate = [_params(args, 1, args.seed + i) for i in range(args.n)]
     plans = [(f"n={args.n} shared", [_params(args, args.n, args.seed)], False),
              (f"{args.n} separate, no prefix cache", separate, False),

@@ -21,6 +21,11 @@ early and greedy tokens stay comparable with pagedq's ``ignore_eos`` (masking eo
 ``min_new_tokens`` alone would change the argmax wherever eos wins). Prints a table to stdout
 and writes benchmarks/out/throughput-<model>.json.
 
+With ``--peers vllm,hf-static,hf-cb`` every system instead runs the identical requests in a
+process of its own, alternating with pagedq over ``--rounds`` (benchmarks/peers.py: vLLM's
+CPU build is one peer), and the table adds peak RSS and greedy agreement on every request;
+writes benchmarks/out/throughput-peers-<model>.json.
+
     .venv/bin/python benchmarks/throughput.py --model random --num-requests 16
 """
 
@@ -112,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "max_batch_tokens:max_requests_per_batch pairs (pagedq's: 2048:256)")
     p.add_argument("--batch-sizes", default="8,16,32",
                    help="HF static batch sizes, comma-separated")
+    p.add_argument("--peers", default="",
+                   help="comma-separated peers of vllm, hf-static, hf-cb: every system then runs "
+                        "in a process of its own, alternating with pagedq (benchmarks/peers.py)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the --peers alternation")
+    p.add_argument("--vllm-block-size", type=int, default=128,
+                   help="vLLM's KV block size (its CPU build takes multiples of 32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda, for every system")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--block-size", type=int, default=None,
@@ -119,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "last block of each sequence is the only KV waste; 16 on CUDA)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.peers = [peer for peer in args.peers.split(",") if peer]
+    if set(args.peers) - {"vllm", "hf-static", "hf-cb"}:
+        p.error("--peers takes vllm, hf-static and hf-cb")
     try:
         args.cb_limits = [tuple(map(int, pair.split(":"))) for pair in args.cb_limits.split(",")]
     except ValueError:
@@ -193,7 +207,7 @@ def _pad_id(model: Any) -> int:
 
 
 @torch.inference_mode()
-def _static_batch(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+def static_batch(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     width = max(map(len, prompts))
     pad = _pad_id(model)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
@@ -211,7 +225,7 @@ def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, li
         tokens: list[list[int]] = []
         for start in range(0, len(wl.prompts), batch_size):
             lens = wl.output_lens[start:start + batch_size]
-            batch = _static_batch(model, wl.prompts[start:start + batch_size], max(lens))
+            batch = static_batch(model, wl.prompts[start:start + batch_size], max(lens))
             tokens += [row[:n] for row, n in zip(batch, lens, strict=True)]
             log(f"hf-static B={batch_size}: {len(tokens)}/{len(wl.prompts)} requests")
         return tokens
@@ -328,11 +342,42 @@ def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any
     })
 
 
+def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
+                threads: int) -> None:
+    """pagedq and each of --peers in processes of their own, alternating over --rounds."""
+    import peers
+
+    systems = ["pagedq"]
+    for peer in args.peers:
+        if peer == "vllm" and (why := peers.vllm_missing()):
+            print(f"vllm left out: {why}")
+        elif peer == "hf-static":
+            systems += [f"hf-static B={b}" for b in args.batch_sizes]
+        elif peer == "hf-cb":
+            systems += [f"hf-cb {t}:{r}" for t, r in args.cb_limits]
+        else:
+            systems.append(peer)
+    spec = peers.make_spec(path, peers.greedy_requests(wl.prompts, wl.output_lens),
+                           threads=threads, block_size=args.block_size or 8,
+                           vllm_block_size=args.vllm_block_size, prefix_caching=True,
+                           max_num_seqs=PAGEDQ_MAX_NUM_SEQS,
+                           max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
+    rows = peers.report(f"throughput: model={name}, {len(wl.prompts)} requests, "
+                        f"{wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, cpu "
+                        f"float32, {threads} threads, {args.rounds} rounds",
+                        peers.alternate(systems, spec, args.rounds))
+    write_json(OUT_DIR / f"throughput-peers-{name}.json", {
+        "model": name, "args": vars(args), "threads": threads, "rows": rows})
+
+
 def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
     path = model_path(name)
     wl = make_workload(path, args)
     log(f"{name}: {len(wl.prompts)} requests, {wl.prompt_tokens} prompt tokens, "
         f"{wl.output_tokens} output tokens")
+    if args.peers:
+        bench_peers(name, path, wl, args, threads)
+        return
     ours, our_tokens = run_pagedq(path, wl, args)
     gc.collect()  # the engine and its KV pool are garbage now
     if torch.cuda.is_available():
@@ -343,7 +388,7 @@ def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
         report(name, wl, results, checks, args, threads)
         return
     model = load_hf(path, args)
-    _static_batch(model, wl.prompts[:2], 4)  # warm-up
+    static_batch(model, wl.prompts[:2], 4)  # warm-up
     k = min(NUM_CHECKED, len(wl.prompts))
     for b in [] if args.skip_hf_static else args.batch_sizes:
         result, tokens = run_hf_static(model, wl, b)

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 import kernels
 from engine.config import EngineConfig
 from engine.context import Context, DecodeGroup, set_context
+from engine.cpu_malloc import keep_freed_memory
 from engine.cuda_graph import DecodeGraphs
 from engine.loader import load_model
 from engine.scheduler import SchedulerOutput
@@ -25,6 +26,8 @@ class ModelRunner:
         sequences replay CUDA graphs (``engine.cuda_graph``)."""
         self.block_size = block_size
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(path, hf_config, max_model_len, dtype, device)
         self.num_kv_blocks = num_kv_blocks if isinstance(num_kv_blocks, int) else num_kv_blocks()
         attn = self.model.model.layers[0].self_attn.attn

@@ -29,12 +29,15 @@ def default_backend(device: torch.device) -> str:
 
 
 def _resolve(name: str, device: torch.device, backend: str | None) -> Callable:
+    """The backend's op; a backend that has none of its own leaves it to the reference."""
     if backend is None:
         backend = default_backend(device)
     if backend not in _BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not available; "
                          f"have {sorted(_BACKENDS)}")
-    return getattr(importlib.import_module(_BACKENDS[backend]), name)
+    module = importlib.import_module(_BACKENDS[backend])
+    op = getattr(module, name, None)
+    return op if op is not None else getattr(importlib.import_module("kernels.reference"), name)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -73,3 +76,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
            positions: torch.Tensor,
            backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _resolve("rotary", q.device, backend)(q, k, cos, sin, positions)
+
+
+def silu_and_mul(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    return _resolve("silu_and_mul", x.device, backend)(x)

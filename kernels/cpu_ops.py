@@ -1,10 +1,14 @@
-"""The CPU fast path: a paged decode attention compiled by numba, the other ops from
-``kernels.reference``.
+"""The CPU fast path: a paged decode attention and the row-wise ops (RMSNorm with its residual
+add, rotary) compiled by numba; the other ops from ``kernels.reference``.
 
 The reference decode gathers each sequence's blocks into a padded copy and then runs SDPA over
 it: three passes over the KV bytes per layer and step, plus the padding. This kernel reads K and
 V once, straight from the pool, one sequence per task, so ragged rows cost only their own
-length. Only float32 caches take it (numba has no bfloat16); others use the reference.
+length. The row-wise ops are one pass each where torch takes 4-7 (the reference RMSNorm is
+add, pow, mean, add, rsqrt, mul, mul; rotary indexes the tables, then mul, neg, cat, mul, add).
+Only float32 tensors take these kernels (numba has no bfloat16); others use the reference.
+SiLU stays torch's: numba's ``np.exp`` is scalar without Intel's SVML, 6x slower than torch's
+vectorised silu at 128 rows.
 """
 
 import numba
@@ -15,13 +19,19 @@ from kernels import reference
 from kernels.reference import (  # noqa: F401  (re-exported: the dispatch looks names up here)
     copy_blocks,
     paged_attention_prefill,
-    rms_norm,
-    rotary,
     store_kvcache,
 )
 
+_JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True,
+        "error_model": "numpy"}
+_SERIAL = _JIT | {"parallel": False}
+# Row-wise ops below this many elements run on one thread, as torch's elementwise ops do below
+# their grain size: waking the second thread cost more than it saved at a decode batch of 128
+# (rotary 345 us on two threads against 197 us on one).
+_PARALLEL_GRAIN = 1 << 16
 
-@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")
+
+@numba.njit(**_JIT)
 def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
             context_lens: np.ndarray, scale: float, out: np.ndarray) -> None:  # pragma: no cover
     # One task per sequence: it walks each block's rows (every KV head) in memory order.
@@ -69,6 +79,25 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_table
                 out[b, g, d] = acc[g, d] / denom[g]
 
 
+def _fast(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _match_torch_threads() -> int:
+    threads = torch.get_num_threads()  # numba's pool follows torch's setting
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    return threads
+
+
+def _restore_torch_threads(threads: int) -> None:
+    if torch.get_num_threads() != threads:
+        # numba's first launch starts OpenMP with every core, and torch reads its thread
+        # count back from OpenMP: without this, torch.set_num_threads(1) would quietly become
+        # "every core" for the rest of the thread.
+        torch.set_num_threads(threads)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
@@ -76,15 +105,78 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_cache.dtype != torch.float32 or q.shape[0] == 0:
         return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale)
-    threads = torch.get_num_threads()  # numba's pool follows torch's setting
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    threads = _match_torch_threads()
     out = torch.empty(q.shape, dtype=torch.float32)
     _decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
             block_tables.numpy(), context_lens.numpy(), scale, out.numpy())
-    if torch.get_num_threads() != threads:
-        # numba's first launch starts OpenMP with every core, and torch reads its thread
-        # count back from OpenMP: without this, torch.set_num_threads(1) would quietly become
-        # "every core" for the rest of the thread.
-        torch.set_num_threads(threads)
+    _restore_torch_threads(threads)
     return out.to(q.dtype)
+
+
+def _rms_norm_rows(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float,
+                   add: bool, out: np.ndarray, res_out: np.ndarray) -> None:  # pragma: no cover
+    rows, size = x.shape
+    for r in numba.prange(rows):
+        total = np.float32(0.0)
+        for i in range(size):
+            v = x[r, i] + residual[r, i] if add else x[r, i]
+            res_out[r, i] = v
+            total += v * v
+        inv = np.float32(1.0) / np.sqrt(total / np.float32(size) + np.float32(eps))
+        for i in range(size):
+            out[r, i] = weight[i] * (res_out[r, i] * inv)
+
+
+_rms_norm = (numba.njit(**_SERIAL)(_rms_norm_rows), numba.njit(**_JIT)(_rms_norm_rows))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.reference.rms_norm``'s contract in one pass over each row: the residual add,
+    the sum of squares and the scaling."""
+    if not _fast(x, weight) or (residual is not None and not _fast(residual)) or x.dim() != 2:
+        return reference.rms_norm(x, weight, eps, residual)
+    threads = _match_torch_threads()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res_in = residual.contiguous() if residual is not None else x
+    _rms_norm[x.numel() >= _PARALLEL_GRAIN](x.numpy(), res_in.numpy(), weight.detach().numpy(),
+                                            eps, residual is not None, out.numpy(),
+                                            res_out.numpy())
+    _restore_torch_threads(threads)
+    return out, res_out
+
+
+def _rotary_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray,
+                 out: np.ndarray) -> None:  # pragma: no cover
+    tokens, heads, dim = x.shape
+    half = dim // 2
+    for t in numba.prange(tokens):
+        p = positions[t]
+        for h in range(heads):
+            for d in range(half):
+                x1, x2 = x[t, h, d], x[t, h, d + half]
+                out[t, h, d] = x1 * cos[p, d] - x2 * sin[p, d]
+                out[t, h, d + half] = x2 * cos[p, d + half] + x1 * sin[p, d + half]
+
+
+_rotary = (numba.njit(**_SERIAL)(_rotary_rows), numba.njit(**_JIT)(_rotary_rows))
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.reference.rotary``'s contract, one pass over ``q`` and one over ``k``, reading
+    the tables at each token's position in place of gathering them first."""
+    if not _fast(q, k, cos, sin):
+        return reference.rotary(q, k, cos, sin, positions)
+    threads = _match_torch_threads()
+    pos = positions.numpy()
+    outs = []
+    for x in (q, k):  # strided views of the fused qkv output are read as they are
+        out = torch.empty(x.shape, dtype=x.dtype)
+        _rotary[x.numel() >= _PARALLEL_GRAIN](x.numpy(), cos.numpy(), sin.numpy(), pos,
+                                              out.numpy())
+        outs.append(out)
+    _restore_torch_threads(threads)
+    return outs[0], outs[1]

@@ -105,3 +105,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation on the fused gate/up output ``[T, 2 * I]``: ``silu(gate) * up``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer per layer

@@ -18,7 +18,8 @@ SMALL = ["--model", "tiny", "--threads", "1"]
 @pytest.fixture
 def run_benchmark(tmp_path: Path):
     def run(script: str, *args: str) -> dict:
-        env = {**os.environ, "PAGEDQ_BENCH_OUT": str(tmp_path)}
+        env = {**os.environ, "PAGEDQ_BENCH_OUT": str(tmp_path),
+               "PAGEDQ_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")}
         done = subprocess.run([sys.executable, str(BENCHMARKS / script), *SMALL, *args],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
@@ -37,6 +38,31 @@ def test_throughput(run_benchmark) -> None:
     assert out["throughput-tiny"]["greedy_agreement_first_diff"] == {
         "hf-static": [None] * 4, "hf-cb": [None] * 4}
     assert "pagedq vs hf-cb: agree" in out["stdout"] and "best hf-cb: hf-cb " in out["stdout"]
+
+
+def test_throughput_peers(run_benchmark) -> None:
+    """Each system in a process of its own, alternating; vLLM's venv is missing here, and the
+    benchmark says so and carries on."""
+    out = run_benchmark("throughput.py", "--num-requests", "3", "--min-prompt", "4",
+                        "--max-prompt", "30", "--min-output", "2", "--max-output", "6",
+                        "--peers", "vllm,hf-static", "--batch-sizes", "2", "--rounds", "2")
+    rows = out["throughput-peers-tiny"]["rows"]
+    assert [(r["system"], r["round"]) for r in rows] == [
+        ("pagedq", 0), ("hf-static B=2", 0), ("pagedq", 1), ("hf-static B=2", 1)]
+    assert all(r["identical"] == "3/3" and r["peak_rss_mb"] > 0 for r in rows)
+    assert "vllm left out: no " in out["stdout"]
+
+
+def test_single_stream(run_benchmark) -> None:
+    """Token by token through LLM and through the queue (a worker process on a private
+    redis-server): the same greedy tokens both ways."""
+    out = run_benchmark("single_stream.py", "--prompt-lens", "5,20", "--max-tokens", "4",
+                        "--rounds", "1")
+    rows = out["single-stream-tiny"]["rows"]
+    assert [(r["way"], r["prompt_len"]) for r in rows] == [
+        ("LLM", 5), ("queue", 5), ("LLM", 20), ("queue", 20)]
+    assert all(r["same_tokens"] for r in rows if r["way"] == "queue")
+    assert all(r["ttft_ms"] > 0 and r["decode_tok_s"] > 0 for r in rows)
 
 
 def test_sharing(run_benchmark) -> None:

@@ -112,3 +112,30 @@ def test_loaded_model_packs_every_linear(tiny_llama3) -> None:
     hidden = model.model.embed_tokens(ids)
     torch.testing.assert_close(model.compute_logits(hidden),
                                hidden @ model.model.embed_tokens.weight.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(rows: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
+    residual = torch.randn(rows, 576, generator=gen) if with_residual else None
+    out, res = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    expected, expected_res = reference.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res, expected_res, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_rotary_matches_reference(tokens: int) -> None:
+    """q and k as the model passes them: strided views of one fused qkv output."""
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    cos, sin = torch.randn(64, dim, generator=gen), torch.randn(64, dim, generator=gen)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    for got, want in zip(cpu_ops.rotary(q, k, cos, sin, positions),
+                         reference.rotary(q, k, cos, sin, positions), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

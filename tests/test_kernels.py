@@ -208,8 +208,11 @@ def test_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
 
 def test_dispatch() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert kernels._resolve("rotary", cpu, None) is reference.rotary
+    assert kernels._resolve("copy_blocks", cpu, None) is reference.copy_blocks
+    assert kernels._resolve("rotary", cpu, "torch") is reference.rotary
     assert kernels._resolve("rotary", cuda, None) is triton_ops.rotary
+    # an op a backend leaves out is the reference's
+    assert kernels._resolve("silu_and_mul", cuda, None) is reference.silu_and_mul
     assert kernels._resolve("copy_blocks", cpu, "triton") is triton_ops.copy_blocks
     with pytest.raises(ValueError, match="not available"):
         kernels._resolve("rotary", cpu, "cutlass")

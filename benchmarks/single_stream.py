@@ -1,0 +1,199 @@
+"""One user at a time (issue 16): single-stream decode speed and time to first token.
+
+One request at a time, greedy, ``ignore_eos``, --max-tokens new tokens, for each of
+--prompt-lens random-token prompts; two ways, alternating over --rounds:
+
+- ``LLM``: the engine's own step loop (``llm.engine``: add_request, then step until done); the
+  time of each token is when ``step()`` returns it;
+- ``queue``: a ``Client`` (this process) streaming the job from a worker served by
+  ``python -m worker`` in a child process on a private redis-server, as deployed; the time of
+  each token is when ``handle.stream()`` yields its chunk.
+
+TTFT is from the submit to the first token; decode tok/s is (tokens - 1) over the time from the
+first token to the last. Beside them, the floor: a decode step reads every weight once (the
+tied lm_head once more, packed), so it takes at least weight bytes / memory bandwidth, the
+bandwidth measured here as the read rate of a 512 MB sum on the same threads. Greedy tokens
+must be equal both ways. Prints a table; writes benchmarks/out/single-stream-<model>.json.
+
+    .venv/bin/python benchmarks/single_stream.py --model smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+# benchmarks/queue.py would shadow the standard library's queue (redis-py imports it).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
+    MODELS,
+    OUT_DIR,
+    format_table,
+    load_average,
+    log,
+    model_path,
+    random_prompt,
+    set_threads,
+    usable_token_ids,
+    write_json,
+)
+
+# isort: split
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+NUM_KV_BLOCKS = 1024  # 16-token blocks: room for the longest prompt and its output
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=MODELS, default="smollm2")
+    p.add_argument("--prompt-lens", default="128,512,2048")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--skip-queue", action="store_true")
+    args = p.parse_args(argv)
+    args.prompt_lens = [int(n) for n in args.prompt_lens.split(",") if n]
+    return args
+
+
+def read_bandwidth_gb_s() -> float:
+    """The best of 5 reads of a 512 MB tensor (a sum), in GB/s."""
+    data = torch.ones(128 << 20)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def step_bytes(llm: Any) -> int:
+    """The bytes a batch-1 decode step reads: every parameter and packed weight once, less the
+    embedding table (one row of it is read)."""
+    model = llm.engine.model_runner.model
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                if t.dim() >= 2)
+    packed = sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
+                 if hasattr(m, "packed"))
+    return total + packed - model.model.embed_tokens.weight.numel() * 4
+
+
+def figures(prompt_len: int, submitted: float, times: list[float]) -> dict[str, Any]:
+    return {"prompt_len": prompt_len, "ttft_ms": (times[0] - submitted) * 1e3,
+            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}
+
+
+def via_llm(llm: Any, prompt: list[int], max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+    from engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    times: list[float] = []
+    tokens: list[int] = []
+    submitted = time.perf_counter()
+    engine.add_request("single", prompt, params)
+    while engine.has_unfinished():
+        for delta in engine.step():
+            now = time.perf_counter()
+            for sample in delta.samples:
+                times += [now] * len(sample.token_ids)
+                tokens += sample.token_ids
+    return figures(len(prompt), submitted, times), tokens
+
+
+def via_queue(client: Any, prompt: list[int], max_tokens: int
+              ) -> tuple[dict[str, Any], list[int]]:
+    from producer.protocol import Chunk
+
+    times: list[float] = []
+    tokens: list[int] = []
+    submitted = time.perf_counter()
+    handle = client.submit(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for event in handle.stream(timeout=300):
+        if isinstance(event, Chunk):
+            times += [time.perf_counter()] * len(event.token_ids)
+            tokens += event.token_ids
+    return figures(len(prompt), submitted, times), tokens
+
+
+def start_worker(url: str, path: Path, threads: int) -> subprocess.Popen:
+    log_file = open(OUT_DIR / "single-stream-worker.log", "w")  # noqa: SIM115 (the child's)
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker", "--redis-url", url, "--queue", "single",
+         "--model", str(path), "--device", "cpu", "--dtype", "float32",
+         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--threads", str(threads)],
+        stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    threads = set_threads(args.threads)
+    path = model_path(args.model)
+    from engine import LLM
+    from producer import Client
+    from worker.redis_server import RedisServer
+
+    rng = np.random.default_rng(0)
+    ids = usable_token_ids(path)
+    prompts = {n: random_prompt(rng, ids, n) for n in args.prompt_lens}
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
+    bandwidth, weights = read_bandwidth_gb_s(), step_bytes(llm)
+    floor = bandwidth * 1e9 / weights
+    server = None if args.skip_queue else RedisServer().start()
+    worker = None if server is None else start_worker(server.url, path, threads)
+    rows: list[dict[str, Any]] = []
+    try:
+        client = None if server is None else Client(server.url, queue="single")
+        ways = [("LLM", lambda p: via_llm(llm, p, args.max_tokens))]
+        if client is not None:
+            ways.append(("queue", lambda p: via_queue(client, p, args.max_tokens)))
+        for _way, run in ways:  # warm-up: numba's first calls, the worker's engine start
+            run(prompts[args.prompt_lens[0]][:16])
+        for r in range(args.rounds):
+            for n, prompt in prompts.items():
+                tokens = {}
+                for way, run in ways:
+                    result, tokens[way] = run(prompt)
+                    rows.append(result | {"way": way, "round": r, "load": load_average()})
+                    log(f"{way} {n}: {result['decode_tok_s']:.1f} tok/s")
+                rows[-1]["same_tokens"] = len(set(map(tuple, tokens.values()))) == 1
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(60)
+        if server is not None:
+            server.stop()
+    report(args, threads, rows, bandwidth, weights, floor)
+
+
+def report(args: argparse.Namespace, threads: int, rows: list[dict[str, Any]],
+           bandwidth: float, weights: int, floor: float) -> None:
+    print(f"\n== single stream: model={args.model}, {args.max_tokens} new tokens, greedy, cpu "
+          f"float32, {threads} threads ==")
+    print(f"floor: {weights / 1e9:.3f} GB read per step at {bandwidth:.1f} GB/s -> at most "
+          f"{floor:.1f} tok/s")
+    print(format_table(
+        ["way", "round", "prompt", "TTFT ms", "decode tok/s", "of floor", "same tokens", "load"],
+        [[r["way"], r["round"], r["prompt_len"], r["ttft_ms"], r["decode_tok_s"],
+          r["decode_tok_s"] / floor, r.get("same_tokens"), r["load"]] for r in rows]))
+    for n in args.prompt_lens:
+        mine = {w: [r["decode_tok_s"] for r in rows if r["prompt_len"] == n and r["way"] == w]
+                for w in ("LLM", "queue")}
+        if mine["queue"]:
+            print(f"prompt {n}: queue / LLM decode tok/s = "
+                  f"{sum(mine['queue']) / sum(mine['LLM']):.2f}")
+    write_json(OUT_DIR / f"single-stream-{args.model}.json", {
+        "model": args.model, "args": vars(args), "threads": threads, "bandwidth_gb_s": bandwidth,
+        "step_bytes": weights, "floor_tok_s": floor, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
