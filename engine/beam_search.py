@@ -80,6 +80,8 @@ class BeamGroup:
         finished hypotheses and the stopping state; returns the survivors, best first, as
         (parent row, token, its logprob)."""
         w, lp, vocab = self.width, self.params.length_penalty, logits.shape[1]
+        # One beam is greedy search, as transformers runs num_beams=1: done at the first eos.
+        early_stopping = True if w == 1 else self.params.early_stopping
         if self.params.temperature > 0:
             logits = logits / self.params.temperature
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -90,7 +92,7 @@ class BeamGroup:
         ends = [t in self.eos_token_ids or gen_len >= self.params.max_tokens for t in tokens]
         token_lps = logprobs[top_i // vocab, top_i % vocab].tolist()
         full = len(self.finished) == w
-        if self.improvable and not (full and self.params.early_stopping is True):
+        if self.improvable and not (full and early_stopping is True):
             scores = (top_v / (gen_len ** lp)).tolist()
             cums = top_v.tolist()
             new = [self._hypothesis(parents[j], tokens[j], token_lps[j], cums[j], scores[j])
@@ -100,13 +102,13 @@ class BeamGroup:
         keep = [j for j in range(len(tokens)) if not ends[j]][:w]
         self.scores = top_v[keep]
         if self.improvable and keep:
-            length = (self.params.max_tokens if self.params.early_stopping == "never" and lp > 0
+            length = (self.params.max_tokens if early_stopping == "never" and lp > 0
                       else gen_len)
             best = float(self.scores[0] / (length ** lp))
             worst = self.finished[-1].score if len(self.finished) == w else -1.0e9
             self.improvable = best > worst
         self.done = (not keep or not self.improvable
-                     or (len(self.finished) == w and self.params.early_stopping is True))
+                     or (len(self.finished) == w and early_stopping is True))
         return [] if self.done else [(parents[j], tokens[j], token_lps[j]) for j in keep]
 
     def _hypothesis(self, parent: int, token: int, logprob: float, cum: float,

@@ -71,6 +71,7 @@ class BeamSearchParams:
     once the best running beam, scored at its current length, cannot beat the worst finished
     one; "never" scores it at ``max_tokens`` when ``length_penalty`` > 0. ``temperature`` > 0
     divides the logits before the log-softmax, as vLLM's ``beam_search`` does; 0 leaves them.
+    ``beam_width`` 1 is greedy search whatever ``early_stopping``, as in transformers.
     """
 
     beam_width: int
