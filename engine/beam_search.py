@@ -147,6 +147,7 @@ class BeamSearcher:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.tokens_generated = 0
+        self.num_finished = 0  # beam searches that ran to their end
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
             priority: int) -> BeamGroup:
@@ -185,6 +186,7 @@ class BeamSearcher:
                 group.live, group.trunk = [group.trunk], None
             self._advance(group, batch)
             if group.done:
+                self.num_finished += 1
                 results.append(self._result(group))
         return [sampled[i] for i in rows], logits[rows], results
 

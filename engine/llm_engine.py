@@ -233,6 +233,7 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "preemptions": self.scheduler.num_preemptions,
             "tokens_generated": self.tokens_generated + self.beam_search.tokens_generated,
+            "beam_searches": self.beam_search.num_finished,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
