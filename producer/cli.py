@@ -44,7 +44,8 @@ FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penal
 INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "beam_width")
 FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LISTS = (("stop", str), ("stop_token_ids", int))  # repeatable: --stop A --stop B
-SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS)
+CHOICES = {"early_stopping": {"false": False, "true": True, "never": "never"}}  # beam search
+SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS) + tuple(CHOICES)
 
 
 def explain(error: Exception) -> str:
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in LISTS:
         submit.add_argument(f"--{name.replace('_', '-')}", type=kind, action="append",
                             default=argparse.SUPPRESS)
+    for name, values in CHOICES.items():
+        submit.add_argument(f"--{name.replace('_', '-')}", type=values.__getitem__,
+                            choices=list(values.values()), default=argparse.SUPPRESS)
 
     batch = commands.add_parser("batch", help="run a JSONL file of jobs, resumably")
     batch.add_argument("input", type=Path)
