@@ -20,23 +20,18 @@ import gc
 import json
 import os
 import subprocess
+import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from benchmarks.common import (
-    MODELS,
-    OUT_DIR,
-    format_table,
-    load_average,
-    log,
-    model_path,
-    set_threads,
-    timed,
-    write_json,
-)
+_HERE = Path(__file__).resolve().parent
+# Python put this folder first on sys.path, where benchmarks/queue.py would shadow the standard
+# library's queue (torch imports it): move the folder to the end.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+import common  # noqa: E402  (first: it sets the environment torch reads at import)
+import torch  # noqa: E402
 
 Beams = list[tuple[list[int], float | None]]  # (output tokens, cum_logprob), best first
 
@@ -78,15 +73,12 @@ def same_beams(got: Beams, expected: Beams) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=MODELS, default="smollm2")
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--width", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--model", choices=common.MODELS, default="smollm2")
+    for name, default in (("num-requests", 8), ("width", 4), ("max-tokens", 64),
+                          ("threads", 2), ("rounds", 1), ("block-size", 16)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--vllm-venv", type=Path, default=None,
                    help="a venv with vLLM's CPU build; without it vLLM is not run")
     p.add_argument("--skip-hf", action="store_true")
@@ -94,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def workload(path: Path, n: int) -> list[list[int]]:
-    from benchmarks.throughput import make_workload
-    from benchmarks.throughput import parse_args as throughput_args
+    from throughput import make_workload
+    from throughput import parse_args as throughput_args
 
     return make_workload(path, throughput_args([])).prompts[:n]
 
@@ -107,7 +99,7 @@ def run_pagedq(path: Path, prompts: list[list[int]], args: argparse.Namespace
     llm = LLM(str(path), dtype=args.dtype, device=args.device, block_size=args.block_size)
     llm.beam_search(prompts[:1], BeamSearchParams(beam_width=args.width, max_tokens=4))
     params = BeamSearchParams(beam_width=args.width, max_tokens=args.max_tokens)
-    outs, seconds, cpu = timed(lambda: llm.beam_search(prompts, params))
+    outs, seconds, cpu = common.timed(lambda: llm.beam_search(prompts, params))
     beams = [[(s.tokens[len(p):], s.cum_logprob) for s in o.sequences]
              for p, o in zip(prompts, outs, strict=True)]
     bs = args.block_size
@@ -115,7 +107,7 @@ def run_pagedq(path: Path, prompts: list[list[int]], args: argparse.Namespace
     stats = llm.stats()
     result = {"system": "pagedq", "seconds": seconds, "cpu_seconds": cpu,
               "kv_blocks_peak": stats["kv_blocks_peak"], "kv_blocks_separate": separate,
-              "load": load_average()}
+              "load": common.load_average()}
     return result, beams, sorted(llm.engine.eos_token_ids)
 
 
@@ -126,10 +118,10 @@ def run_hf(path: Path, prompts: list[list[int]], eos: list[int],
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(
         args.device).eval()
     hf_beam_search(model, prompts[0], eos, args.width, 4)  # warm-up
-    beams, seconds, cpu = timed(lambda: [hf_beam_search(model, p, eos, args.width,
+    beams, seconds, cpu = common.timed(lambda: [hf_beam_search(model, p, eos, args.width,
                                                         args.max_tokens) for p in prompts])
     return {"system": "transformers", "seconds": seconds, "cpu_seconds": cpu,
-            "load": load_average()}, beams
+            "load": common.load_average()}, beams
 
 
 def run_vllm(path: Path, prompts: list[list[int]],
@@ -151,53 +143,47 @@ def run_vllm(path: Path, prompts: list[list[int]],
         result = json.loads(out.read_text())
     beams = [[(tokens[len(p):], cum) for tokens, cum in request]
              for p, request in zip(prompts, result.pop("beams"), strict=True)]
-    return result | {"load": load_average()}, beams
+    return result | {"load": common.load_average()}, beams
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    threads = set_threads(args.threads)
-    path = model_path(args.model)
+    threads = common.set_threads(args.threads)
+    path = common.model_path(args.model)
     prompts = workload(path, args.num_requests)
-    log(f"{len(prompts)} prompts, {sum(map(len, prompts))} tokens, width {args.width}, "
-        f"{args.max_tokens} new tokens, {threads} threads")
-    rows, agree, reference = [], {}, None
+    common.log(f"{len(prompts)} prompts, {sum(map(len, prompts))} tokens, width {args.width}, "
+               f"{args.max_tokens} new tokens, {threads} threads")
+    rows, beams = [], {}
     for _ in range(args.rounds):
-        ours, our_beams, eos = run_pagedq(path, prompts, args)
-        gc.collect()
+        ours, beams["pagedq"], eos = run_pagedq(path, prompts, args)
         rows.append(ours)
-        log(f"pagedq: {ours['seconds']:.1f}s")
-        peers = [] if args.skip_hf else [("transformers", run_hf)]
-        peers += [("vllm", run_vllm)] if args.vllm_venv else []
-        for name, run in peers:
-            result, beams = (run(path, prompts, eos, args) if name == "transformers"
-                             else run(path, prompts, args))
+        runs = [] if args.skip_hf else [("transformers", partial(run_hf, path, prompts, eos, args))]
+        runs += [("vllm", partial(run_vllm, path, prompts, args))] if args.vllm_venv else []
+        for name, run in [("pagedq", None), *runs]:
             gc.collect()
-            log(f"{name}: {result['seconds']:.1f}s")
-            rows.append(result)
-            if name == "transformers":
-                reference = beams
-            agree[f"pagedq vs {name}"] = [same_beams(a, b) for a, b in zip(our_beams, beams,
-                                                                          strict=True)]
-    if reference is not None and "vllm" in {r["system"] for r in rows}:
-        agree.setdefault("vllm vs transformers", None)
+            if run is not None:
+                result, beams[name] = run()
+                rows.append(result)
+            common.log(f"{name}: {rows[-1]['seconds']:.1f}s")
+    agree = {f"{a} vs {b}": [same_beams(x, y) for x, y in zip(beams[a], beams[b], strict=True)]
+             for a, b in (("pagedq", "transformers"), ("vllm", "transformers"),
+                          ("pagedq", "vllm")) if a in beams and b in beams}
     best = min(r["seconds"] for r in rows if r["system"] == "pagedq")
     print(f"\n== beam search: {args.model}, {len(prompts)} requests "
           f"({sum(map(len, prompts))} prompt tokens), width {args.width}, {args.max_tokens} new "
           f"tokens, {args.device} {args.dtype}, {threads} threads ==")
-    print(format_table(["system", "seconds", "pagedq x", "cpu s", "load"],
-                       [[r["system"], r["seconds"], r["seconds"] / best, r["cpu_seconds"],
-                         r["load"]] for r in rows]))
+    print(common.format_table(["system", "seconds", "pagedq x", "cpu s", "load"],
+                              [[r["system"], r["seconds"], r["seconds"] / best,
+                                r["cpu_seconds"], r["load"]] for r in rows]))
     print(f"pagedq x: the row's seconds over pagedq's best; load: 1-min load average after the "
           f"run (> {threads}: shared)")
     print(f"pagedq KV blocks at peak: {ours['kv_blocks_peak']}; {args.width} separate sequences "
           f"per request: {ours['kv_blocks_separate']}")
     for pair, same in agree.items():
-        if same is not None:
-            print(f"{pair}: {sum(same)}/{len(same)} requests with identical beams")
-    write_json(OUT_DIR / f"beam-{args.model}.json", {"args": {k: str(v) for k, v in
-                                                              vars(args).items()},
-                                                     "results": rows, "identical_beams": agree})
+        print(f"{pair}: {sum(same)}/{len(same)} requests with identical beams")
+    common.write_json(common.OUT_DIR / f"beam-{args.model}.json",
+                      {"args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
+                       "identical_beams": agree})
 
 
 if __name__ == "__main__":
