@@ -75,14 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=common.MODELS, default="smollm2")
     for name, default in (("num-requests", 8), ("width", 4), ("max-tokens", 64),
-                          ("threads", 2), ("rounds", 1), ("block-size", 16)):
+                          ("threads", 2), ("rounds", 1), ("block-size", None)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--vllm-venv", type=Path, default=None,
                    help="a venv with vLLM's CPU build; without it vLLM is not run")
     p.add_argument("--skip-hf", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # As throughput.py: 8-slot blocks on the CPU (the numba decode path), 16 on CUDA.
+    args.block_size = args.block_size or (16 if args.device.startswith("cuda") else 8)
+    return args
 
 
 def workload(path: Path, n: int) -> list[list[int]]:
