@@ -3,8 +3,16 @@
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SampleDelta
-from engine.sampling_params import SamplingParams
+from engine.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestDelta,
+    RequestOutput,
+    SampleDelta,
+)
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestDelta",
-           "RequestOutput", "SampleDelta", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
+           "CompletionOutput", "EngineConfig", "LLMEngine", "RequestDelta", "RequestOutput",
+           "SampleDelta", "SamplingParams"]

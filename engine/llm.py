@@ -8,8 +8,13 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+)
+from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -30,21 +35,60 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         engine = self.engine
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        added = []
-        try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(request_id, prompt, p)
-                added.append(request_id)
-        except ValueError:
-            for request_id in added:  # all or nothing: leave the engine as it was
-                engine.abort(request_id)
-            raise
+        ids = self._add([(f"llm-{next(self._ids)}", prompt, {"params": p})
+                         for prompt, p in zip(prompts, params, strict=True)])
         requests = {i: engine.requests[i] for i in ids}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
                 bar.update(sum(d.finished for d in engine.step()))
         return [self._output(request_id, requests[request_id]) for request_id in ids]
+
+    def beam_search(self, prompts: str | list[int] | dict | Seq[str | list[int] | dict],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: one output per prompt, in order, each with the
+        ``beam_width`` best hypotheses, best first. Prompts as ``generate`` takes them, or
+        vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``. Every prompt's beams run
+        in the core together, as one continuous batch."""
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        texts = [self._prompt(p) for p in prompts]
+        ids = self._add([(f"llm-{next(self._ids)}", p, {"beam": params}) for p in texts])
+        finished = {}
+        with tqdm(total=len(ids), desc="beam search", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    finished[delta.request_id] = delta
+                    bar.update(delta.finished)
+        outputs = []
+        for request_id, prompt in zip(ids, texts, strict=True):
+            head = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            outputs.append(BeamSearchOutput([
+                BeamSearchSequence(head + s.token_ids, s.logprobs, s.cum_logprob, s.text,
+                                   s.finish_reason) for s in finished[request_id].samples]))
+        return outputs
+
+    @staticmethod
+    def _prompt(prompt: str | list[int] | dict) -> str | list[int]:
+        if not isinstance(prompt, dict):
+            return prompt
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt}")
+
+    def _add(self, requests: list[tuple[str, str | list[int], dict[str, Any]]]) -> list[str]:
+        """Adds every request or, on a bad one, none (the engine is left as it was)."""
+        added = []
+        try:
+            for request_id, prompt, kwargs in requests:
+                self.engine.add_request(request_id, prompt, **kwargs)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        return added
 
     def _output(self, request_id: str, request: Any) -> RequestOutput:
         outputs = [CompletionOutput(seq.index, request.detokenizers[seq.seq_id].text,

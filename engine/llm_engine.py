@@ -3,48 +3,27 @@
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 from transformers import AutoTokenizer
 
+from engine.beam_search import BeamSearcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.loader import eos_token_ids, load_config
 from engine.model_runner import ModelRunner, fit_kv_blocks
 from engine.outputs import RequestDelta, SampleDelta
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.request import Limits, Request, Resume, check_beam, prompt_ids
+from engine.sampler import Sampler, skip_draws
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 log = structlog.get_logger()
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Resume:
-    """Where a sample stopped when another worker ran it: its output tokens and how much of
-    their text was handed out; None for a sample that had finished."""
-
-    token_ids: list[int]
-    emitted_chars: int
-
-
-@dataclass
-class _Request:
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: dict[int, Detokenizer]  # by seq_id
-    num_samples: int  # the samples this engine runs: n, less those finished before a resume
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.num_samples and all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -80,7 +59,10 @@ class LLMEngine:
                                    config.max_num_batched_tokens)
         self.eos_token_ids = eos_token_ids(path, self.tokenizer)
         self.sampler = Sampler(self.eos_token_ids)
-        self.requests: dict[str, _Request] = {}
+        self.beam_search = BeamSearcher(self.scheduler, self.tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.limits = Limits(self.vocab_size, self.max_model_len, config.block_size, num_blocks,
+                             config.max_num_seqs)
         self.kv_blocks_peak = 0
         self.kv_utilization_at_peak = 0.0
         self.tokens_generated = 0
@@ -88,40 +70,37 @@ class LLMEngine:
                  kv_blocks=num_blocks, block_size=config.block_size,
                  max_model_len=self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, resume: list[Resume | None] | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    resume: list[Resume | None] | None = None,
+                    beam: BeamSearchParams | None = None) -> None:
         """Validates and queues a request; raises ValueError with the reason otherwise.
 
         ``resume`` (one entry per sample) continues a request from the tokens each sample had
         already produced: they are recomputed as part of its prompt, a seeded sample's
-        generator is advanced past its draws, and the text continues where it stopped."""
+        generator is advanced past its draws, and the text continues where it stopped.
+
+        ``beam`` runs a beam search instead of sampling (``params`` stays None), batched with
+        the sampling requests. It streams nothing: its one delta, finished, holds the ranked
+        hypotheses as samples (index = rank, best first, with ``cum_logprob``)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): "
-                             f"{bad[:5]}")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's maximum context "
-                             f"length is {self.max_model_len}")
-        max_tokens = params.max_tokens or room
-        if max_tokens > room:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                             f"the maximum context length {self.max_model_len}")
-        need = -(-(len(ids) + max_tokens) // self.config.block_size)
-        if need > len(self.block_manager.blocks):
-            raise ValueError(f"a sequence of {len(ids) + max_tokens} tokens needs {need} KV "
-                             f"blocks; the pool has {len(self.block_manager.blocks)}")
+        if beam is not None:
+            check_beam(beam, params, resume, self.limits)
+            ids, max_tokens = prompt_ids(self.tokenizer, prompt, beam.max_tokens,
+                                         beam.beam_width, self.limits)
+            group = self.beam_search.add(request_id, ids, dataclasses.replace(
+                beam, max_tokens=max_tokens), priority)
+            self.requests[request_id] = Request(ids, group.trunk.params, [], {}, 0, group)
+            return
+        params = params or SamplingParams()
+        ids, max_tokens = prompt_ids(self.tokenizer, prompt, params.max_tokens, 1, self.limits)
         if params.n > self.config.max_num_seqs:  # it would wait for n free slots forever
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         params = dataclasses.replace(params, max_tokens=max_tokens)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume has {len(resume)} entries for n={params.n} samples")
-        request = _Request(ids, params, [], {}, params.n)
+        request = Request(ids, params, [], {}, params.n)
         for index, state in enumerate(resume or [Resume([], 0)]):
             if state is None:
                 request.num_samples -= 1
@@ -133,8 +112,7 @@ class LLMEngine:
                 seq.token_ids += state.token_ids
                 detokenizer.resume(state.token_ids, state.emitted_chars)
                 if seq.generator is not None and not params.greedy:
-                    for _ in state.token_ids:  # the sampler draws once per token, one by one
-                        torch.rand(1, generator=seq.generator)
+                    skip_draws(seq.generator, len(state.token_ids))
             request.seqs.append(seq)
             request.detokenizers[seq.seq_id] = detokenizer
         if not request.seqs:
@@ -149,6 +127,9 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.group is not None:
+            self.beam_search.abort(request.group)
+            return RequestDelta(request_id, [], finished=True)
         samples = []
         for seq in request.seqs:
             if not seq.is_finished:
@@ -168,6 +149,9 @@ class LLMEngine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed(seq)
+        sampled, logits, results = self.beam_search.step(sampled, logits)
+        for delta in results:
+            del self.requests[delta.request_id]
         rows, seqs = [], []
         for row, seq in enumerate(sampled):
             group = [seq]
@@ -187,7 +171,6 @@ class LLMEngine:
             deltas.setdefault(seq.request_id, []).append(
                 self._append(seq, out.token_ids[i], out.logprobs[i]))
         self._record_kv_use()
-        results = []
         for request_id, samples in deltas.items():
             finished = self.requests[request_id].finished
             if finished:
@@ -249,7 +232,8 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "preemptions": self.scheduler.num_preemptions,
-            "tokens_generated": self.tokens_generated,
+            "tokens_generated": self.tokens_generated + self.beam_search.tokens_generated,
+            "beam_searches": self.beam_search.num_finished,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

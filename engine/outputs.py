@@ -12,6 +12,7 @@ class SampleDelta:
     text: str
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    cum_logprob: float | None = None  # beam search: the hypothesis' summed logprob
 
     @property
     def finished(self) -> bool:
@@ -40,3 +41,19 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One ranked hypothesis of a beam search, as vLLM's: ``tokens`` is prompt + output."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -99,6 +99,19 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).clamp(max=last).squeeze(1)
 
 
+def draw_uniform(generator: torch.Generator) -> torch.Tensor:
+    """The whole use the sampler makes of a seeded sample's generator: one uniform number per
+    sampled token, nothing else. ``skip_draws`` relies on it to resume a sample."""
+    return torch.rand(1, generator=generator)
+
+
+def skip_draws(generator: torch.Generator, num_tokens: int) -> None:
+    """Advances a seeded sample's generator past the draws of ``num_tokens`` sampled tokens, so
+    that a resumed sample draws what it would have drawn had it never stopped."""
+    for _ in range(num_tokens):
+        draw_uniform(generator)
+
+
 class Sampler:
     """Picks one token per row of `logits` [N, V] (float32; row i belongs to seqs[i]).
 
@@ -148,7 +161,7 @@ class Sampler:
         u = torch.rand(len(seqs), 1)  # global RNG, for unseeded rows
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                u[i] = torch.rand(1, generator=seq.generator)
+                u[i] = draw_uniform(seq.generator)
         u = u.to(dev)
         filtered = [i for i, s in enumerate(seqs)
                     if s.params.top_k > 0 or s.params.top_p < 1 or s.params.min_p > 0]

@@ -1,6 +1,8 @@
 """Sampling parameters, validated at construction as vLLM's are."""
 
+import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -56,3 +58,48 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters, plus transformers' ``early_stopping``.
+
+    Scoring follows transformers' ``generate(num_beams=...)``: a finished hypothesis scores
+    ``cum_logprob / generated_len ** length_penalty`` (vLLM divides by prompt + output length
+    instead; transformers' rule is the one the parity tests hold us to). ``early_stopping``:
+    True stops once ``beam_width`` hypotheses are finished; False (transformers' default) stops
+    once the best running beam, scored at its current length, cannot beat the worst finished
+    one; "never" scores it at ``max_tokens`` when ``length_penalty`` > 0. ``temperature`` > 0
+    divides the logits before the log-softmax, as vLLM's ``beam_search`` does; 0 leaves them.
+    ``beam_width`` 1 is greedy search whatever ``early_stopping``, as in transformers.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | Literal["never"] = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.beam_width, int) and self.beam_width >= 1,
+             f"beam_width must be an integer of at least 1, got {self.beam_width!r}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}"),
+            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            (math.isfinite(self.length_penalty),
+             f"length_penalty must be a finite number, got {self.length_penalty}"),
+            (self.early_stopping in (True, False, "never"),
+             f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam runs under: one token per step, chosen by the beam search."""
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens,
+                              ignore_eos=self.ignore_eos,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

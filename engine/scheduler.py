@@ -47,29 +47,45 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _unit_end(self, i: int) -> int:
+        """The end of the unit starting at ``running[i]``: a beam group's sequences (kept
+        together in ``running``), else the sequence alone."""
+        group, end = self.running[i].group, i + 1
+        while group is not None and end < len(self.running) and self.running[end].group is group:
+            end += 1
+        return end
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.block_manager.append_slots(seq, num_new, out.copies):
-                # Everything before i is scheduled; the youngest of the rest makes room.
-                victim = max(self.running[i:], key=_age)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
+            unit = self.running[i:self._unit_end(i)]
+            mark = len(out.seqs), len(out.copies), budget
+            for seq in unit:
+                num_new = min(len(seq) - seq.num_computed_tokens, budget)
+                if num_new == 0:  # a beam that waits for its siblings' logits, or no budget
+                    continue
+                while not self.block_manager.append_slots(seq, num_new, out.copies):
+                    # Everything before i is scheduled; the youngest of the rest makes room.
+                    self._preempt(max(self.running[i:], key=_age))
+                    preempted = True
+                    if seq.status != SequenceStatus.RUNNING:
+                        break
+                else:
+                    out.add(seq, num_new)
+                    budget -= num_new
+                if seq.status != SequenceStatus.RUNNING:  # its whole unit went back to wait
+                    del out.seqs[mark[0]:], out.num_new_tokens[mark[0]:], out.copies[mark[1]:]
+                    budget = mark[2]
                     break
             else:
-                out.add(seq, num_new)
-                budget -= num_new
-                i += 1
+                i += len(unit)
         # Admitting while preempting would only thrash: the freed blocks are for the running.
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
-            if len(self.running) + seq.pending_forks + 1 > self.max_num_seqs:
+            if len(self.running) + seq.num_slots > self.max_num_seqs:
                 break
             num_new = self.block_manager.allocate(seq, budget)
             if num_new == 0:
@@ -82,11 +98,30 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.block_manager.free(seq)
+        """Preempts by recompute; a beam preempts its whole group, which waits as one trunk
+        (``BeamGroup.park``)."""
+        group = seq.group
+        beams = group is not None and seq is not group.trunk
+        for member in group.live if beams else [seq]:
+            self.running.remove(member)
+            self.block_manager.free(member)
+        if beams:
+            seq = group.park()
         seq.status = SequenceStatus.WAITING
         self.add(seq)
         self.num_preemptions += 1
+
+    def replace(self, old: list[Sequence], new: list[Sequence]) -> None:
+        """Puts a beam group's ``new`` sequences where its ``old`` ran, freeing those of
+        ``old`` that are not in ``new`` (the survivors share their blocks through forks)."""
+        position = self.running.index(old[0])
+        kept = set(map(id, new))
+        for seq in old:
+            self.running.remove(seq)
+            if id(seq) not in kept:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.FINISHED
+        self.running[position:position] = new
 
     def fork(self, seq: Sequence) -> list[Sequence]:
         """Split a request whose prompt is now computed into its n samples, sharing blocks."""
@@ -99,9 +134,9 @@ class Scheduler:
         return children
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status == SequenceStatus.RUNNING:
+        if seq in self.running:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

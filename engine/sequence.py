@@ -2,10 +2,14 @@
 
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamGroup
 
 
 class SequenceStatus(Enum):
@@ -35,6 +39,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         # Requests with n > 1 prefill once, then fork into n samples (see Scheduler).
         self.pending_forks = params.n - 1 if index == 0 else 0
+        self.group: BeamGroup | None = None  # the beam search this sequence is part of
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             # Each sample draws from its own stream, so its output never depends on the batch.
@@ -56,16 +61,23 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_slots(self) -> int:
+        """The sequence slots this waiting sequence takes once it runs: its samples or beams."""
+        return self.group.width if self.group is not None else self.pending_forks + 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
     def fork(self, index: int) -> "Sequence":
-        """A new sample sharing this sequence's tokens; the block table is forked by the
-        BlockManager."""
+        """A new sample (or beam) sharing this sequence's tokens; the block table is forked by
+        the BlockManager."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, self.priority,
                          self.arrival, index)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
+        child.logprobs = list(self.logprobs)
+        child.group = self.group
         return child

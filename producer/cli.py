@@ -40,11 +40,12 @@ from .core import JobFailed, QueueFull
 from .protocol import Chunk, Done, End
 
 FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty")
-INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+          "frequency_penalty", "length_penalty")
+INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "beam_width")
 FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LISTS = (("stop", str), ("stop_token_ids", int))  # repeatable: --stop A --stop B
-SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS)
+CHOICES = {"early_stopping": {"false": False, "true": True, "never": "never"}}  # beam search
+SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS) + tuple(CHOICES)
 
 
 def explain(error: Exception) -> str:
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in LISTS:
         submit.add_argument(f"--{name.replace('_', '-')}", type=kind, action="append",
                             default=argparse.SUPPRESS)
+    for name, values in CHOICES.items():
+        submit.add_argument(f"--{name.replace('_', '-')}", type=values.__getitem__,
+                            choices=list(values.values()), default=argparse.SUPPRESS)
 
     batch = commands.add_parser("batch", help="run a JSONL file of jobs, resumably")
     batch.add_argument("input", type=Path)
@@ -97,7 +101,8 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         else {"prompt": args.prompt}
     job = client.submit(**prompt, priority=args.priority, **sampling)
     print(f"job {job.id}", file=sys.stderr)
-    live = sampling.get("n", 1) == 1  # one sample streams; several print as each one ends
+    # One sample streams; several (or beams, ranked only at the end) print as each one ends.
+    live = max(sampling.get("n", 1), sampling.get("beam_width", 1)) == 1
     texts: dict[int, str] = {}
     try:
         for event in job.stream(timeout=args.timeout):
@@ -108,7 +113,8 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
             elif isinstance(event, Done):
                 text = texts.get(event.sample, "")
                 head = "" if live else f"--- sample {event.sample} ---\n{text}"
-                print(f"{head}\n[{event.finish_reason}]", flush=True)
+                score = "" if event.cum_logprob is None else f" {event.cum_logprob:.4f}"
+                print(f"{head}\n[{event.finish_reason}{score}]", flush=True)
             elif isinstance(event, End):
                 print(f"usage: {event.usage.prompt_tokens} prompt tokens, "
                       f"{event.usage.completion_tokens} completion tokens", file=sys.stderr)

@@ -50,6 +50,7 @@ class SampleOutput(BaseModel):
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     usage: Usage | None = None
+    cum_logprob: float | None = None  # beam search
 
 
 class JobResult(BaseModel):
@@ -115,7 +116,7 @@ def fold(job_id: str, events: list[Event]) -> JobResult:
             if e.logprobs is not None:
                 out.logprobs = (out.logprobs or []) + e.logprobs
         else:
-            out.finish_reason, out.usage = e.finish_reason, e.usage
+            out.finish_reason, out.usage, out.cum_logprob = e.finish_reason, e.usage, e.cum_logprob
     return JobResult(id=job_id, status=status_of(events),
                      outputs=[samples[i] for i in sorted(samples)], usage=usage)
 

@@ -70,6 +70,11 @@ class Sampling(_Strict):
     logprobs: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Beam search (beam_width >= 2): the engine's BeamSearchParams. The result holds the
+    # beam_width best hypotheses as samples 0.. (best first), each `done` with its cum_logprob.
+    beam_width: int = Field(1, ge=1, le=MAX_N)
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -81,6 +86,12 @@ class Sampling(_Strict):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
                              f"({self.max_tokens})")
+        # A job always carries a temperature (1.0 unless set), so only another one is refused.
+        if self.beam_width > 1 and (self.n > 1 or self.max_tokens is None
+                                    or self.temperature not in (0.0, 1.0)):
+            raise ValueError("beam search (beam_width > 1) ranks beam_width sequences itself: "
+                             "it takes neither n > 1 nor a sampling temperature (leave it at "
+                             "its default or 0), and needs max_tokens")
         return self
 
 
@@ -139,6 +150,7 @@ class Done(_Strict):
     sample: int
     finish_reason: str
     usage: Usage
+    cum_logprob: float | None = None  # beam search: the hypothesis' summed logprob
 
 
 class End(_Strict):

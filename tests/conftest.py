@@ -81,15 +81,20 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
 _HF_MODELS: dict[Path, torch.nn.Module] = {}
 
 
-def hf_greedy(model: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, cut after the first end-of-sequence token as the
-    engine's is."""
+def hf_model(model: Path) -> torch.nn.Module:
+    """transformers' float32 model of a checkpoint, loaded once per session."""
     from transformers import AutoModelForCausalLM
 
     if model not in _HF_MODELS:
         _HF_MODELS[model] = AutoModelForCausalLM.from_pretrained(
             model, dtype=torch.float32).eval()
-    hf = _HF_MODELS[model]
+    return _HF_MODELS[model]
+
+
+def hf_greedy(model: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, cut after the first end-of-sequence token as the
+    engine's is."""
+    hf = hf_model(model)
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                           dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens,

@@ -84,3 +84,12 @@ def test_queue(run_benchmark) -> None:
     assert result["throughput"]["token_ids_equal"] == 4
     assert result["latency"]["chunks"] == 2 * 4  # a chunk per token, each timed
     assert result["jobs"]["jobs"] == 40
+
+
+def test_beam(run_benchmark) -> None:
+    out = run_benchmark("beam.py", "--num-requests", "2", "--width", "2", "--max-tokens", "4")
+    result = out["beam-tiny"]
+    assert [r["system"] for r in result["results"]] == ["pagedq", "transformers"]
+    assert result["identical_beams"] == {"pagedq vs transformers": [True, True]}
+    pagedq = result["results"][0]
+    assert pagedq["kv_blocks_peak"] < pagedq["kv_blocks_separate"]

@@ -49,6 +49,16 @@ def test_submit_refuses_bad_values(redis_url: str, capsys: pytest.CaptureFixture
     assert not redis.Redis.from_url(redis_url).exists(queue_key("default"))
 
 
+def test_submit_beam_search_options(redis_url: str, capsys: pytest.CaptureFixture) -> None:
+    args = build_parser().parse_args(["submit", "x", "--beam-width", "4", "--length-penalty",
+                                      "0.5", "--early-stopping", "never"])
+    assert (args.beam_width, args.length_penalty, args.early_stopping) == (4, 0.5, "never")
+    assert main(["--redis-url", redis_url, "submit", "hi", "--beam-width", "4",
+                 "--temperature", "0.7"]) == 2
+    assert "beam search" in capsys.readouterr().err
+    assert not redis.Redis.from_url(redis_url).exists(queue_key("default"))
+
+
 def write_jobs(path: Path) -> None:
     lines = [{"prompt": "a", "max_tokens": 1}, {"prompt": "b", "n": 2, "max_tokens": 2}, None,
              {"messages": [{"role": "user", "content": "c"}]}, {"prompt": "please FAIL"},

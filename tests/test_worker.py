@@ -14,7 +14,7 @@ import redis
 import torch
 from conftest import assert_pool_whole
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.outputs import RequestOutput
 from producer import Client, Job
 from producer.core import decode_entries, new_job
@@ -23,6 +23,7 @@ from producer.rq_mirror import worker_key
 from worker.config import Settings, parse_args
 from worker.connection import connect
 from worker.driver import prompt_token_ids
+from worker.job_params import engine_params
 from worker.publisher import Batch, Publisher
 from worker.service import Worker
 
@@ -66,7 +67,7 @@ def serving(url: str, model: Path, name: str = "w1", **overrides: Any) -> Iterat
 def reference(model: Path, jobs: list[Job]) -> list[RequestOutput]:
     llm = LLM(str(model), dtype="float32", device="cpu", num_kv_blocks=KV_BLOCKS)
     prompts = [prompt_token_ids(llm.tokenizer, job) for job in jobs]
-    params = [SamplingParams(**job.sampling.model_dump()) for job in jobs]
+    params = [engine_params(job.sampling)[0] for job in jobs]
     return llm.generate(prompts, params, use_tqdm=False)
 
 

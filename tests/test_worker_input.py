@@ -53,6 +53,11 @@ RAW = [
     (_sampling("stop-id", stop_token_ids=[-1]), "stop-id", "invalid_job"),
     (_sampling("logprobs", logprobs=50), "logprobs", "invalid_job"),
     (_sampling("min-max", min_tokens=10, max_tokens=5), "min-max", "invalid_job"),
+    (_sampling("beam-zero", beam_width=0), "beam-zero", "invalid_job"),
+    (_sampling("beam-n", beam_width=2, n=2), "beam-n", "invalid_job"),
+    (_sampling("beam-hot", beam_width=2, temperature=0.7), "beam-hot", "invalid_job"),
+    (_sampling("beam-stopping", beam_width=2, early_stopping="soon"), "beam-stopping",
+     "invalid_job"),
 ]
 # Valid for the protocol, refused by the engine: submitted through the client.
 REFUSED = [
@@ -60,6 +65,7 @@ REFUSED = [
     {"prompt": [7] * 3000, "job_id": "too-long"},
     {"prompt": [7] * 100, "max_tokens": 2000, "job_id": "past-context"},
     {"prompt": "hi", "n": 20, "job_id": "n-over-slots"},  # max_num_seqs is 16
+    {"prompt": "hi", "beam_width": 20, "job_id": "beams-over-slots"},
 ]
 
 

@@ -32,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
 from worker.consumer import Consumer, Delivery
 from worker.intake import Intake
+from worker.job_params import engine_params
 from worker.metrics import Metrics
 from worker.publisher import Batch
 
@@ -61,6 +62,7 @@ class _Running:
     token_ids: list[list[int]]  # per sample: its output tokens so far
     texts: list[list[str]]  # per sample: its text, in pieces (for the RQ result)
     reasons: list[str | None] = field(default_factory=list)  # per sample, once done
+    cum_logprobs: dict[int, float | None] = field(default_factory=dict)  # beam search's
 
     def emit(self, batch: Batch, event: Chunk | Done | End, ack: str = "") -> None:
         batch.event(self.job.id, self.written, event, ack)
@@ -128,15 +130,16 @@ class Driver:
         job = d.job
         assert job is not None
         ids = prompt_token_ids(self.engine.tokenizer, job)
-        params = SamplingParams(**job.sampling.model_dump())
-        n = params.n
+        params, beam = engine_params(job.sampling)  # beams: nothing streams until done
+        n = beam.beam_width if beam is not None else params.n
         state = _Running(job, params, d.entry_id, bound, len(ids), d.written, [0] * n,
                          [[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
         resume = state.replay(d.events) if d.events else None
         if resume is not None and all(r is None for r in resume):
             self._end(state, batch, canceled=False)  # its samples had all finished
             return
-        self.engine.add_request(job.id, ids, params, job.priority, resume)
+        self.engine.add_request(job.id, ids, None if beam else params, job.priority, resume,
+                                beam=beam)
         self.jobs[job.id] = state
         self.metrics.job_started(job.id)
         self.intake.started(len(ids), n)
@@ -193,7 +196,9 @@ class Driver:
         if reason is not None:
             state.reasons[i] = reason
             state.emit(batch, Done(sample=i, finish_reason=reason, usage=Usage(
-                prompt_tokens=state.prompt_tokens, completion_tokens=len(state.token_ids[i]))))
+                prompt_tokens=state.prompt_tokens, completion_tokens=len(state.token_ids[i])),
+                cum_logprob=sample.cum_logprob))
+            state.cum_logprobs[i] = sample.cum_logprob
 
     def _end(self, state: _Running, batch: Batch, canceled: bool) -> None:
         job_id = state.job.id
@@ -206,7 +211,9 @@ class Driver:
             batch.mirror.canceled(job_id, self.ttls[0])
         else:
             result = {"outputs": [{"index": i, "text": "".join(texts), "finish_reason": reason,
-                                   "completion_tokens": len(ids)} for i, (texts, reason, ids)
+                                   "completion_tokens": len(ids),
+                                   "cum_logprob": state.cum_logprobs.get(i)}
+                                  for i, (texts, reason, ids)
                                   in enumerate(zip(state.texts, state.reasons, state.token_ids,
                                                    strict=True))],
                       "usage": usage.model_dump()}

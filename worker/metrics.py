@@ -57,6 +57,7 @@ ENGINE_METRICS = {
                           "Prompt tokens found in the prefix cache"),
     "preemptions": ("pagedq_preemptions", "counter", "Sequences preempted (recomputed later)"),
     "tokens_generated": ("pagedq_generated_tokens", "counter", "Tokens sampled by the engine"),
+    "beam_searches": ("pagedq_beam_searches", "counter", "Beam search requests finished"),
 }
 # Client.stats() key -> (metric, help)
 QUEUE_METRICS = {
