@@ -82,8 +82,8 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor,
         attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
         attn.k_scale, attn.v_scale = scales[0, i], scales[1, i]
         attn.calculate_kv_scales = source == "first prefill"
-    if is_fp8(kv_cache.dtype):
-        log.info("fp8 kv cache", kv_cache_dtype=str(kv_cache.dtype), kv_scales=source)
+    log.info("kv cache", dtype=str(kv_cache.dtype), bytes_per_token=kv_cache[:, :, 0, 0].nbytes,
+             kv_scales=source if is_fp8(kv_cache.dtype) else None)
     return scales
 
 

@@ -25,6 +25,8 @@ class Settings(BaseSettings):
         "auto", description="float32, float16, bfloat16; auto: bfloat16 on CUDA, else float32")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV element type; fp8 (= fp8_e4m3), fp8_e5m2: 1 byte, 2-4x the blocks")
     max_num_seqs: int = Field(256, ge=1, description="sequences run side by side")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
@@ -53,6 +55,7 @@ class Settings(BaseSettings):
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             num_kv_blocks=self.num_kv_blocks,
                             kv_cache_memory_gib=self.kv_cache_memory_gib,
+                            kv_cache_dtype=self.kv_cache_dtype,
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens)
 
