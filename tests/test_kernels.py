@@ -73,60 +73,94 @@ def _paged(gen: torch.Generator, ctx_lens: list[int], num_kv_heads: int, head_di
     return k, v, tables.to(DEVICE), lens
 
 
+def _fp8_scales(kv_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """K and V scales that put the format's largest value at 3 and 2.5 standard deviations of
+    the test's normal KV: the tails saturate."""
+    top = torch.finfo(kv_dtype).max
+    return {"k_scale": torch.tensor(3 / top, device=DEVICE),
+            "v_scale": torch.tensor(2.5 / top, device=DEVICE)}
+
+
 def _check_attention(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
                      block_size: int, seqs: list[tuple[int, int]],
-                     splits: list[int | None]) -> None:
+                     splits: list[int | None], kv_dtype: torch.dtype | None = None) -> None:
     """``seqs``: (new tokens, context length) per sequence, the rest of a context being its
-    cached prefix. One new token each takes the decode kernel, once per entry of ``splits``."""
-    gen = _gen(dtype, group, head_dim, block_size, seqs)
+    cached prefix. One new token each takes the decode kernel, once per entry of ``splits``.
+    ``kv_dtype`` fp8: the pool holds the KV quantized (NaN slots stay NaN bytes), and the
+    reference ops read it too."""
+    gen = _gen(dtype, group, head_dim, block_size, seqs, kv_dtype)
     k, v, tables, lens = _paged(gen, [c for _, c in seqs], num_kv_heads, head_dim, block_size,
                                 dtype)
     cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEVICE, torch.int32)
     q = _randn(gen, int(cu[-1]), num_kv_heads * group, head_dim, dtype=dtype)
     decode, scale = all(n == 1 for n, _ in seqs), head_dim**-0.5
-    clean = [t.float().nan_to_num() for t in (q, k, v)]  # the reference reads whole blocks
+    scales = {}
+    if kv_dtype is not None:
+        scales = _fp8_scales(kv_dtype)
+        k = reference.quantize(k, kv_dtype, scales["k_scale"])
+        v = reference.quantize(v, kv_dtype, scales["v_scale"])
+    # the fp32 reference on the dequantized, NaN-free KV
+    clean = [q.float()] + [reference.dequantize(t, torch.float32, scales.get(name)).nan_to_num()
+                           for t, name in ((k, "k_scale"), (v, "v_scale"))]
     expected = (reference.paged_attention_decode(*clean, tables, lens, scale) if decode else
                 reference.paged_attention_prefill(*clean, cu, tables, lens, scale))
+    if kv_dtype is not None:  # the reference's own fp8 path, NaN slots and all
+        out = (reference.paged_attention_decode(q, k, v, tables, lens, scale, **scales)
+               if decode else
+               reference.paged_attention_prefill(q, k, v, cu, tables, lens, scale, **scales))
+        torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
     for num_splits in splits:
         out = torch.full_like(q, NAN)
         if decode:
             triton_ops.paged_attention_decode(q, k, v, tables, lens, scale,
-                                              num_splits=num_splits, out=out)
+                                              num_splits=num_splits, out=out, **scales)
         else:
-            triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out)
+            triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out,
+                                               **scales)
         assert out.isfinite().all(), f"NaN with num_splits={num_splits}"
         torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 def _check_store(dtype: torch.dtype, num_tokens: int, num_heads: int, head_dim: int,
-                 block_size: int, num_blocks: int) -> None:
-    gen = _gen("store", dtype, num_tokens, head_dim, block_size)
+                 block_size: int, num_blocks: int, kv_dtype: torch.dtype | None = None) -> None:
+    """``kv_dtype`` fp8: the values span 2^-30 to 2^30 times the scale (subnormals, ties and
+    saturation), and the bytes must equal the reference's."""
+    gen = _gen("store", dtype, num_tokens, head_dim, block_size, kv_dtype)
     # key as a strided view, as the engine's come out of the fused qkv matmul
     key = _randn(gen, num_tokens, 2 * num_heads, head_dim, dtype=dtype)[:, :num_heads]
     value = _randn(gen, num_tokens, num_heads, head_dim, dtype=dtype)
+    scales = {}
+    if kv_dtype is not None:
+        spread = 2.0 ** torch.randint(-30, 30, value.shape, generator=gen)
+        value = (value.float() * spread.to(DEVICE)).to(dtype)
+        scales = _fp8_scales(kv_dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::4] = -1  # skipped
     slots = slots.to(DEVICE)
     shape = (num_blocks, block_size, num_heads, head_dim)
-    k, v = (torch.full(shape, NAN, dtype=dtype, device=DEVICE) for _ in range(2))
+    k, v = (torch.full(shape, NAN, dtype=dtype, device=DEVICE).to(kv_dtype or dtype)
+            for _ in range(2))
     k_ref, v_ref = k.clone(), v.clone()
-    reference.store_kvcache(key, value, k_ref, v_ref, slots)
-    triton_ops.store_kvcache(key, value, k, v, slots)
-    torch.testing.assert_close(k, k_ref, equal_nan=True, atol=0, rtol=0)
-    torch.testing.assert_close(v, v_ref, equal_nan=True, atol=0, rtol=0)
-    assert k.isfinite().sum() == (slots >= 0).sum() * num_heads * head_dim
+    reference.store_kvcache(key, value, k_ref, v_ref, slots, **scales)
+    triton_ops.store_kvcache(key, value, k, v, slots, **scales)
+    for out, ref in ((k, k_ref), (v, v_ref)):
+        torch.testing.assert_close(out.view(torch.uint8) if kv_dtype else out,
+                                   ref.view(torch.uint8) if kv_dtype else ref,
+                                   equal_nan=True, atol=0, rtol=0)
+    assert k.float().isfinite().sum() == (slots >= 0).sum() * num_heads * head_dim
+    assert v.float().isfinite().sum() == (slots >= 0).sum() * num_heads * head_dim
 
 
 def _check_copy(dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int,
                 num_heads: int, head_dim: int, num_pairs: int) -> None:
     gen = _gen("copy", dtype, num_blocks, block_size)
-    pool = _randn(gen, 2, num_layers, num_blocks, block_size, num_heads, head_dim, dtype=dtype)
+    pool = _randn(gen, 2, num_layers, num_blocks, block_size, num_heads, head_dim).to(dtype)
     blocks = torch.randperm(num_blocks, generator=gen)[: 2 * num_pairs]
     mapping = blocks.view(2, num_pairs).t().contiguous().to(DEVICE)  # disjoint src and dst
     expected = pool.clone()
     reference.copy_blocks(list(expected.flatten(0, 1)), mapping)
     triton_ops.copy_blocks(list(pool.flatten(0, 1)), mapping)
-    assert torch.equal(pool, expected)
+    assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
 
 
 def _check_rms_norm(dtype: torch.dtype, rows: int, hidden: int, with_residual: bool) -> None:
@@ -186,6 +220,41 @@ def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int)
 def test_store_kvcache(dtype: torch.dtype, num_heads: int, head_dim: int,
                        block_size: int) -> None:
     _check_store(dtype, 2 * block_size + 3, num_heads, head_dim, block_size, 4)
+
+
+# fp8 KV: both formats with every GQA ratio, the query dtype and shape alternating
+FP8 = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+FP8_CASES = [
+    pytest.param(kv.values[0], DTYPES[(i + j) % 3], group, *SHAPES[j % 2],
+                 id=f"{kv.id}-gqa{group}")
+    for i, kv in enumerate(FP8) for j, group in enumerate([1, 3, 8])]
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,group,head_dim,block_size", FP8_CASES)
+def test_decode_fp8(kv_dtype: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
+                    block_size: int) -> None:
+    bs = block_size
+    _check_attention(dtype, group, 2, head_dim, bs, [(1, n) for n in [1, bs, bs + 1, 3 * bs - 1]],
+                     [None, 3], kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,group,head_dim,block_size", FP8_CASES)
+def test_prefill_fp8(kv_dtype: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
+                     block_size: int) -> None:
+    bs = block_size
+    _check_attention(dtype, group, 2 if group < 8 else 1, head_dim, bs,
+                     [(bs, bs), (1, bs + 1), (bs + 3, 2 * bs + 3)], [None], kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_store_kvcache_fp8(kv_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    _check_store(dtype, 2 * 16 + 3, 3, 64, 16, 4, kv_dtype)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_copy_blocks_fp8(dtype: torch.dtype) -> None:
+    _check_copy(dtype, 2, 8, 16, 2, 64, 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
