@@ -284,18 +284,22 @@ def test_dispatch() -> None:
         kernels._resolve("rotary", cpu, "cutlass")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_engine_greedy(tiny_llama: Path, make_llm: Callable[..., LLM],
-                       monkeypatch: pytest.MonkeyPatch) -> None:
+                       monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str) -> None:
     """The engine's own calls (pool views, strided k/v, decode groups, chunked prefill, n=2
-    forks with copy-on-write) give the reference's greedy tokens on the Triton ops."""
+    forks with copy-on-write, fp8 scales from the first prefill) give the reference's greedy
+    tokens on the Triton ops."""
     prompts = [list(range(3, 38)), [7, 8]]
     params = SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True)
     outs = []
     for module in ("kernels.reference", "kernels.triton_ops"):
         for backend in kernels._BACKENDS:
             monkeypatch.setitem(kernels._BACKENDS, backend, module)
+        monkeypatch.setattr(kernels, "_FP8_CPU", module)
         llm = make_llm(tiny_llama, device=DEVICE.type, max_num_batched_tokens=16,
-                       num_kv_blocks=32, enforce_eager=True)  # the reference cannot be captured
+                       num_kv_blocks=32, enforce_eager=True,  # the reference cannot be captured
+                       kv_cache_dtype=kv_cache_dtype)
         outs.append([[o.token_ids for o in r.outputs]
                      for r in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
