@@ -27,7 +27,8 @@ if importlib.util.find_spec("numba") is not None:
     _BACKENDS["cpu"] = "kernels.cpu_ops"
 
 
-# fp8 caches on the "cpu" backend: its own decode, which reads bytes through a lookup table
+# fp8 caches on the "cpu" backend: this module's ops (its decode reads bytes through a lookup
+# table), the torch reference's for the ops it lacks
 _FP8_CPU = "kernels.cpu_fp8"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -44,8 +45,12 @@ def _resolve(name: str, device: torch.device, backend: str | None,
     if backend not in _BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not available; "
                          f"have {sorted(_BACKENDS)}")
-    module = _FP8_CPU if fp8 and backend == "cpu" else _BACKENDS[backend]
-    return getattr(importlib.import_module(module), name)
+    if fp8 and backend == "cpu":
+        op = getattr(importlib.import_module(_FP8_CPU), name, None)
+        if op is not None:
+            return op
+        backend = "torch"
+    return getattr(importlib.import_module(_BACKENDS[backend]), name)
 
 
 def _kv_op(name: str, device: torch.device, backend: str | None, cache: torch.Tensor,

@@ -49,11 +49,11 @@ def test_cpu_decode_matches_reference(kv_dtype: torch.dtype, group: int) -> None
 
 
 @pytest.mark.parametrize("kv_dtype", FP8)
-def test_lookup_table_holds_each_byte_times_the_scale(kv_dtype: torch.dtype) -> None:
-    table = torch.from_numpy(cpu_fp8.lookup_table(kv_dtype, torch.tensor(0.5)))
-    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype).float()
+def test_cpu_widening_is_exact_for_every_finite_byte(kv_dtype: torch.dtype) -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+    values = codes.float()
     finite = values.isfinite()
-    assert finite.sum() >= 248 and torch.equal(table[finite], values[finite] * 0.5)
+    assert finite.sum() >= 248 and torch.equal(cpu_fp8.widen(codes)[finite], values[finite])
 
 
 def test_capacity_and_no_preemption(tiny_llama: Path,
