@@ -6,11 +6,11 @@ bit 31, exponent and mantissa under fp32's, the rest zero) is an fp32 whose valu
 value times 2^-(127 - bias): 2^-120 for e4m3, 2^-112 for e5m2, subnormals included (they land
 on fp32 subnormals, exact). That power of two and the layer's scale are applied once per dot
 product, not per element. The loops are shifts and masks, which vectorise: 1.9x as fast as
-reading each byte through a 256-entry table (0.26 against 0.49 ms for 20,000 rows of 64,
-measured alone on the Zen4 AVX-512 machine, load average 28 from other jobs). The bytes a store never writes (inf, NaN) are never
-widened. Each KV row is widened once for all the query heads of its group; only the rows within
-a context are read (never an unwritten slot). The dispatch takes the torch reference for the
-other ops, which take the scales themselves.
+reading each byte through a 256-entry table (0.26 against 0.49 ms for 20,000 rows of 64, one
+thread on the Zen4 AVX-512 machine, load average 28 from other jobs). The bytes a store never
+writes (inf, NaN) are never widened. Each KV row is widened once for all the query heads of
+its group; only the rows within a context are read (never an unwritten slot). The dispatch
+takes the torch reference for the other ops, which take the scales themselves.
 """
 
 import numba
