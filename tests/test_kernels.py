@@ -100,8 +100,8 @@ def _check_attention(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim
         k = reference.quantize(k, kv_dtype, scales["k_scale"])
         v = reference.quantize(v, kv_dtype, scales["v_scale"])
     # the fp32 reference on the dequantized, NaN-free KV
-    clean = [q.float()] + [reference.dequantize(t, torch.float32, scales.get(name)).nan_to_num()
-                           for t, name in ((k, "k_scale"), (v, "v_scale"))]
+    clean = [q.float()] + [reference.dequantize(t, torch.float32, scales.get(name)).float()
+                           .nan_to_num() for t, name in ((k, "k_scale"), (v, "v_scale"))]
     expected = (reference.paged_attention_decode(*clean, tables, lens, scale) if decode else
                 reference.paged_attention_prefill(*clean, cu, tables, lens, scale))
     if kv_dtype is not None:  # the reference's own fp8 path, NaN slots and all
