@@ -3,8 +3,8 @@ agreement of 8 prompts over 32 tokens, the mean absolute difference of the chose
 logprobs, and perplexity over the Apache License 2.0 as transformers ships it (about 2,200
 tokens of English). Both fp8 formats.
 
-Measured (scales from the first prefill, vLLM's constants): e4m3 +4.0 % perplexity, e5m2
-+11.3 %; with the scales at amax / 448 e4m3 reaches +2.1 %. A 135M model with 64-wide heads
+Measured (scales from the first prefill, vLLM's constants): e4m3 +4.9 % perplexity, e5m2
++11.3 %; with the scales set to amax / 448 e4m3 reached +2.1 %. A 135M model with 64-wide heads
 over repetitive legal text is a hard case: the 2 % the issue asked for is not met, so the
 bounds below are the measured figures with a margin (see the README's fp8 section)."""
 
