@@ -27,8 +27,8 @@ if importlib.util.find_spec("numba") is not None:
     _BACKENDS["cpu"] = "kernels.cpu_ops"
 
 
-# fp8 caches on the "cpu" backend: this module's ops (its decode reads bytes through a lookup
-# table), the torch reference's for the ops it lacks
+# fp8 caches on the "cpu" backend: this module's ops (a numba decode that widens the bytes
+# itself), the torch reference's for the ops it lacks
 _FP8_CPU = "kernels.cpu_fp8"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
