@@ -46,7 +46,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def read_kv_scales(path: Path, num_layers: int) -> torch.Tensor | None:
     """The checkpoint's fp8 KV scales ``[2, num_layers]`` (K then V) as llm-compressor writes
     them (``model.layers.<i>.self_attn.k_scale`` / ``v_scale``), or None when it has none.
-    Only the names are read, not the weights."""
+    Reads those tensors only, not the weights."""
     names = [f"model.layers.{i}.self_attn.{kind}_scale" for kind in "kv" for i in range(num_layers)]
     found: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
