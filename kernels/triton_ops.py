@@ -46,10 +46,10 @@ def _fp8_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, scale, FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+def _quantize(x, scale_ptr, FP8: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
               FMAX: tl.constexpr):
     if FP8:
-        x = _fp8_grid(x.to(tl.float32) / scale, MANT, EMIN, FMAX)
+        x = _fp8_grid(x.to(tl.float32) / tl.load(scale_ptr), MANT, EMIN, FMAX)
     return x
 
 
@@ -68,8 +68,8 @@ def _store_kernel(key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, 
     dst = (slot // BLOCK_SIZE) * s_cb + (slot % BLOCK_SIZE) * s_cs + offs_h[:, None] * s_ch
     k = tl.load(key_ptr + t * s_kt + offs_h[:, None] * s_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :], mask=mask)
-    k = _quantize(k, tl.load(ks_ptr) if FP8 else 1.0, FP8, MANT, EMIN, FMAX)
-    v = _quantize(v, tl.load(vs_ptr) if FP8 else 1.0, FP8, MANT, EMIN, FMAX)
+    k = _quantize(k, ks_ptr, FP8, MANT, EMIN, FMAX)
+    v = _quantize(v, vs_ptr, FP8, MANT, EMIN, FMAX)
     tl.store(kc_ptr + dst + offs_d[None, :], k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + dst + offs_d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mask)
 
