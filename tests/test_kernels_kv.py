@@ -4,9 +4,7 @@ write), and the fp8 attention kernels: Triton under the interpreter without a GP
 
 import pytest
 import torch
-
-from kernels import reference, triton_ops
-from tests.test_kernels import (
+from test_kernels import (  # first: it sets up the interpreter without a GPU
     CUDA,
     DEVICE,
     DTYPE_PARAMS,
@@ -18,6 +16,8 @@ from tests.test_kernels import (
     _gen,
     _randn,
 )
+
+from kernels import reference, triton_ops
 
 
 def _check_store(dtype: torch.dtype, num_tokens: int, num_heads: int, head_dim: int,
