@@ -69,6 +69,7 @@ def kernel_cases() -> list[tuple[str, Callable, Callable, int, float, Callable]]
     """(name, triton call, reference call, floor bytes, FLOPs, check) per case."""
     cases = []
     item = 2  # bf16
+    scales = {"k_scale": torch.tensor(0.02, device=DEV), "v_scale": torch.tensor(0.01, device=DEV)}
     for batch, ctx in [(1, 4096), (32, 1024), (32, 4096), (256, 1024)]:
         k, v, tables, lens = _pool([ctx] * batch)
         q = torch.randn(batch, H_Q, D, device=DEV, dtype=BF16)
@@ -78,6 +79,15 @@ def kernel_cases() -> list[tuple[str, Callable, Callable, int, float, Callable]]
                       lambda a=args: triton_ops.paged_attention_decode(*a),
                       lambda a=args: reference.paged_attention_decode(*a), nbytes,
                       4.0 * batch * ctx * H_Q * D, _close(5e-2)))
+        # fp8 (e4m3) KV: half the KV bytes, so half the floor's KV term
+        k8, v8 = (reference.quantize(c, torch.float8_e4m3fn, scales[f"{n}_scale"])
+                  for c, n in ((k, "k"), (v, "v")))
+        args8 = (q, k8, v8, tables, lens, D**-0.5)
+        cases.append((f"decode fp8 B={batch} ctx={ctx}",
+                      lambda a=args8: triton_ops.paged_attention_decode(*a, **scales),
+                      lambda a=args8: reference.paged_attention_decode(*a, **scales),
+                      nbytes - batch * ctx * H_KV * D * 2, 4.0 * batch * ctx * H_Q * D,
+                      _close(5e-2)))
     for seqs in [[(2048, 2048)] * 4, [(512, 2048)] * 4]:  # (new, context): fresh, chunked
         k, v, tables, lens = _pool([c for _, c in seqs])
         cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEV, torch.int32)

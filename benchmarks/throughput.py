@@ -125,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's KV block size (its CPU build takes multiples of 32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda, for every system")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", help="pagedq's: auto, fp8, fp8_e5m2")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=4.0, help="pagedq's CPU KV pool")
     p.add_argument("--block-size", type=int, default=None,
                    help="pagedq's KV block size (default: 8 on the CPU, where the partly filled "
                         "last block of each sequence is the only KV waste; 16 on CUDA)")
@@ -162,7 +164,8 @@ def run_pagedq(path: Path, wl: Workload,
     block_size = args.block_size or (16 if args.device.startswith("cuda") else 8)
     llm = LLM(str(path), dtype=args.dtype, device=args.device, enable_prefix_caching=True,
               block_size=block_size, max_num_seqs=PAGEDQ_MAX_NUM_SEQS,
-              max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
+              max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS,
+              kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     if args.device.startswith("cuda"):
         # Triton compiles a variant per new specialisation (split or not, strides divisible by

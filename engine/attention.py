@@ -5,6 +5,7 @@ from torch import nn
 
 import kernels
 from engine.context import get_context
+from engine.kv_cache import calculate_kv_scales
 
 
 class PagedAttention(nn.Module):
@@ -12,20 +13,27 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        # Views into the engine's one KV pool, bound by the ModelRunner.
+        # Views into the engine's one KV pool and its fp8 scales, bound by engine.kv_cache.
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = torch.ones(())
+        self.calculate_kv_scales = False  # True until the first prefill sets the fp8 scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]`` for the batch's new tokens, the
         single-token (decode) steps first."""
         ctx = get_context()
-        kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         num_decode = ctx.num_decode_tokens
+        if self.calculate_kv_scales and num_decode < q.shape[0]:  # never a graph capture's
+            calculate_kv_scales(k, v, self.k_scale, self.v_scale)
+            self.calculate_kv_scales = False
+        kv_scales = self.k_scale, self.v_scale
+        kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *kv_scales)
         parts = [kernels.paged_attention_decode(q[g.start:g.end], self.k_cache, self.v_cache,
-                                                g.block_tables, g.context_lens, self.scale)
+                                                g.block_tables, g.context_lens, self.scale,
+                                                *kv_scales)
                  for g in ctx.decode_groups]
         if num_decode < q.shape[0]:
             parts.append(kernels.paged_attention_prefill(
                 q[num_decode:], self.k_cache, self.v_cache, ctx.prefill_cu_seqlens_q,
-                ctx.prefill_block_tables, ctx.prefill_context_lens, self.scale))
+                ctx.prefill_block_tables, ctx.prefill_context_lens, self.scale, *kv_scales))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -19,5 +19,10 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # None: the model's context length
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": 1-byte KV (engine.kv_cache)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # fp8 without scales in the checkpoint: True computes them from the first prefill, False
+    # uses 1.0 (vLLM's default; see engine.kv_cache for why ours differs)
+    calculate_kv_scales: bool = True
     enforce_eager: bool = False  # CUDA: run decode eagerly instead of replaying CUDA graphs
     seed: int = 0  # the global RNG, for requests without a seed of their own

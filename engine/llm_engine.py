@@ -51,7 +51,8 @@ class LLMEngine:
             num_kv_blocks=config.num_kv_blocks or (
                 lambda: fit_kv_blocks(config, hf_config, dtype, self.device, self.max_model_len)),
             dtype=dtype, device=self.device,
-            cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs)
+            cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
+            kv_cache_dtype=config.kv_cache_dtype, calculate_kv_scales=config.calculate_kv_scales)
         num_blocks = self.model_runner.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -220,9 +221,11 @@ class LLMEngine:
         held = self._held_slots()
         return sum(held.values()) / (len(held) * self.config.block_size) if held else 0.0
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
         return {
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_bytes_per_token": self.model_runner.kv_bytes_per_token,  # K and V, all layers
             "kv_blocks_total": len(bm.blocks),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_peak": self.kv_blocks_peak,

@@ -43,6 +43,28 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_kv_scales(path: Path, num_layers: int) -> torch.Tensor | None:
+    """The checkpoint's fp8 KV scales ``[2, num_layers]`` (K then V) as llm-compressor writes
+    them (``model.layers.<i>.self_attn.k_scale`` / ``v_scale``), or None when it has none.
+    Reads those tensors only, not the weights."""
+    names = [f"model.layers.{i}.self_attn.{kind}_scale" for kind in "kv" for i in range(num_layers)]
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            found |= {name: f.get_tensor(name).float() for name in set(f.keys()) & set(names)}
+    if not found:
+        return None
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"checkpoint {path} has fp8 KV scales for some layers but lacks "
+                         f"{missing[:4]}")
+    shaped = [name for name in names if found[name].numel() != 1]
+    if shaped:
+        raise ValueError(f"{shaped[0]} has shape {tuple(found[shaped[0]].shape)}: pagedq "
+                         f"takes one K and one V scale per layer (per-tensor), not per head")
+    return torch.stack([found[name].reshape(()) for name in names]).view(2, num_layers)
+
+
 def load_model(path: Path, config: PretrainedConfig, max_positions: int, dtype: torch.dtype,
                device: torch.device) -> nn.Module:
     with torch.device("meta"):

@@ -5,6 +5,10 @@ decode attention, the reference for the rest) or ``None``: pick by device, Trito
 Triton is installed, ``"cpu"`` on the CPU where numba is installed, the torch reference
 otherwise. On CPU tensors the Triton ops run only under ``TRITON_INTERPRET=1`` (how the tests
 check them without a GPU).
+
+fp8 KV caches (``torch.float8_e4m3fn`` / ``float8_e5m2``) come with per-layer ``k_scale`` and
+``v_scale``; the reference and Triton ops take them as keywords, and the ``"cpu"`` backend
+sends them to ``kernels.cpu_fp8``. Other caches call each op's plain signature.
 """
 
 import importlib
@@ -23,47 +27,79 @@ if importlib.util.find_spec("numba") is not None:
     _BACKENDS["cpu"] = "kernels.cpu_ops"
 
 
+# fp8 caches on the "cpu" backend: this module's ops (a numba decode that widens the bytes
+# itself), the torch reference's for the ops it lacks
+_FP8_CPU = "kernels.cpu_fp8"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def default_backend(device: torch.device) -> str:
     fast = "triton" if device.type == "cuda" else "cpu"
     return fast if fast in _BACKENDS else "torch"
 
 
-def _resolve(name: str, device: torch.device, backend: str | None) -> Callable:
-    """The backend's op; a backend that has none of its own leaves it to the reference."""
+def _resolve(name: str, device: torch.device, backend: str | None,
+             fp8: bool = False) -> Callable:
+    """The backend's op; a backend that has none of its own leaves it to the reference. An fp8
+    cache on the CPU takes ``kernels.cpu_fp8``'s op where it has one, else the reference's."""
     if backend is None:
         backend = default_backend(device)
     if backend not in _BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not available; "
                          f"have {sorted(_BACKENDS)}")
+    if fp8 and backend == "cpu":
+        op = getattr(importlib.import_module(_FP8_CPU), name, None)
+        if op is not None:
+            return op
+        backend = "torch"
     module = importlib.import_module(_BACKENDS[backend])
     op = getattr(module, name, None)
     return op if op is not None else getattr(importlib.import_module("kernels.reference"), name)
 
 
+def _kv_op(name: str, device: torch.device, backend: str | None, cache: torch.Tensor,
+           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> Callable:
+    """The op for this cache: an fp8 one gets the layer's scales (``[]`` fp32 tensors: a K or
+    V element is its byte's value times the scale), the others the op's plain signature."""
+    op = _resolve(name, device, backend, cache.dtype in FP8_DTYPES)
+    if cache.dtype not in FP8_DTYPES:
+        return op
+    assert k_scale is not None and v_scale is not None, "an fp8 KV cache needs its scales"
+    return lambda *args: op(*args, k_scale=k_scale, v_scale=v_scale)
+
+
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                   backend: str | None = None) -> None:
-    _resolve("store_kvcache", key.device, backend)(key, value, k_cache, v_cache, slot_mapping)
+    _kv_op("store_kvcache", key.device, backend, k_cache, k_scale, v_scale)(
+        key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None,
                            backend: str | None = None) -> torch.Tensor:
-    return _resolve("paged_attention_decode", q.device, backend)(
+    return _kv_op("paged_attention_decode", q.device, backend, k_cache, k_scale, v_scale)(
         q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, scale: float,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None,
                             backend: str | None = None) -> torch.Tensor:
-    return _resolve("paged_attention_prefill", q.device, backend)(
+    return _kv_op("paged_attention_prefill", q.device, backend, k_cache, k_scale, v_scale)(
         q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale)
 
 
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor,
                 backend: str | None = None) -> None:
-    _resolve("copy_blocks", block_mapping.device, backend)(caches, block_mapping)
+    """Copies bytes: fp8 caches need no scales."""
+    _resolve("copy_blocks", block_mapping.device, backend,
+             bool(caches) and caches[0].dtype in FP8_DTYPES)(caches, block_mapping)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

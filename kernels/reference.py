@@ -4,23 +4,54 @@ Shapes follow vLLM: caches are ``[num_blocks, block_size, num_kv_heads, head_dim
 table row lists a sequence's blocks in order, and slot ``s`` is row ``s % block_size`` of block
 ``s // block_size``. These ops are the ground truth the Triton kernels are tested against, and
 the path the engine takes on the CPU.
+
+An fp8 cache (``torch.float8_e4m3fn`` / ``float8_e5m2``) holds ``x / scale`` saturated to the
+format's range, so the pool never holds inf or NaN; a read widens the bytes to the query's dtype
+and multiplies by the layer's ``k_scale`` / ``v_scale`` (``[]`` fp32 tensors, vLLM's meaning).
+
+The pool is allocated uninitialised: slots past a context (the last block's tail, padding
+entries of a block table) may hold any bits, NaN included. Decode masks them out of K and V
+themselves (a masked score is dropped, but ``0 * NaN`` in ``P @ V`` is not); prefill slices
+them off before attention.
 """
 
 import torch
 import torch.nn.functional as F
 
 
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as the cache's ``dtype``: for fp8, ``x / scale`` rounded to nearest even and
+    saturated to the format's largest finite value (a plain cast gives NaN or inf there)."""
+    if scale is None:
+        return x.to(dtype)
+    top = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-top, top).to(dtype)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache elements as ``dtype``: an fp8 byte's value times ``scale`` (in fp32, rounded
+    once)."""
+    return x if scale is None else (x.float() * scale).to(dtype)
+
+
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, H_kv, D]`` into the slots named by ``slot_mapping`` ``[T]``;
     slot -1 means skip."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    # index_copy_ has no fp8 kernel: fp8 caches are written as their bytes
+    flat_k = _bytes(k_cache).view(-1, *k_cache.shape[2:])
+    flat_v = _bytes(v_cache).view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, _bytes(quantize(key, k_cache.dtype, k_scale)))
+    flat_v.index_copy_(0, slot_mapping, _bytes(quantize(value, v_cache.dtype, v_scale)))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.element_size() == 1 else x
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -32,14 +63,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, *, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence, ``q`` ``[B, H_q, D]``, attending to the first
     ``context_lens[b]`` tokens of its paged KV (the query's own key included)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k = _gather(k_cache, block_tables).transpose(1, 2)  # [B, H_kv, L, D]
-    v = _gather(v_cache, block_tables).transpose(1, 2)
-    valid = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
+    k = _gather(k_cache, block_tables)  # [B, L, H_kv, D]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    keep = valid[:, :, None, None]  # never-written slots may hold NaN
+    k = torch.where(keep, dequantize(k, q.dtype, k_scale), 0).transpose(1, 2)  # [B, H_kv, L, D]
+    v = torch.where(keep, dequantize(_gather(v_cache, block_tables), q.dtype, v_scale),
+                    0).transpose(1, 2)
     # The query heads sharing a KV head act as that head's queries: no KV is repeated.
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=valid[:, None, None, :],
@@ -49,7 +84,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float, *,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Packed queries ``[T_q, H_q, D]``: sequence ``i`` owns rows ``cu_seqlens_q[i]:[i+1]``,
     which are the last tokens of its first ``context_lens[i]`` tokens (a cached prefix before
     them). Causal within each sequence."""
@@ -61,8 +98,9 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_q = end - start
         blocks = block_tables[i, : (ctx + block_size - 1) // block_size]
         # 4-D [1, H, L, D]: torch's fast CPU attention kernels take only 4-D inputs.
-        k = _gather(k_cache, blocks)[:ctx].transpose(0, 1)[None]
-        v = _gather(v_cache, blocks)[:ctx].transpose(0, 1)[None]
+        # only this sequence's blocks are read (and, for fp8, widened)
+        k = dequantize(_gather(k_cache, blocks)[:ctx], q.dtype, k_scale).transpose(0, 1)[None]
+        v = dequantize(_gather(v_cache, blocks)[:ctx], q.dtype, v_scale).transpose(0, 1)[None]
         mask = None
         if num_q < ctx:  # a cached prefix: query j sits at position ctx - num_q + j
             q_pos = torch.arange(ctx - num_q, ctx, device=q.device)
@@ -78,6 +116,7 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
     ``dst`` in every cache (each ``[num_blocks, ...]``)."""
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     for cache in caches:
+        cache = _bytes(cache)  # fp8 has no indexing kernels; the copy is of bytes anyway
         cache[dst] = cache[src]
 
 

@@ -3,6 +3,10 @@
 Both read KV through the block table one token at a time (``slot = table[t // bs] * bs + t % bs``),
 so the KV tile ``BLOCK_N`` is independent of the cache's block size. Softmax is online, in base 2,
 with fp32 accumulation. On the CPU these run under ``TRITON_INTERPRET=1`` with small tiles.
+
+An fp8 cache's tiles are widened to the dot dtype as they are loaded; its scales are applied
+once per program, not per element: the K scale joins the softmax scale and the V scale the
+final normalisation (``P @ (V * s) = (P @ V) * s``).
 """
 
 import functools
@@ -37,6 +41,21 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
 
 
+def kv_scale_args(q: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> dict:
+    """The kernels' scale arguments: an fp8 cache's scale tensors, else any pointer, unread."""
+    fp8 = k_scale is not None
+    return {"ks_ptr": k_scale if fp8 else q, "vs_ptr": v_scale if fp8 else q, "FP8": fp8}
+
+
+@triton.jit
+def _scales(qk_scale, ks_ptr, vs_ptr, FP8: tl.constexpr):
+    """The score scale (softmax's times K's) and the output scale (V's)."""
+    if FP8:
+        return qk_scale * tl.load(ks_ptr), tl.load(vs_ptr)
+    return qk_scale, 1.0
+
+
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh_off, tok, in_ctx, visible, s_kb,
                  s_ks, qk_scale, offs_d, d_mask, BLOCK_SIZE: tl.constexpr,
@@ -60,13 +79,15 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, kvh_off, tok, in_ctx, v
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc, part_m, part_l,
-                   qk_scale, split_len, num_splits, s_qb, s_qh, s_kb, s_ks, s_kh, s_bt, s_ob,
-                   s_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                   SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+                   qk_scale, ks_ptr, vs_ptr, split_len, num_splits, s_qb, s_qh, s_kb, s_ks,
+                   s_kh, s_bt, s_ob, s_oh, FP8: tl.constexpr, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """Program (sequence, KV head, split): all ``GROUP`` query heads of the KV head at once, so
     each KV tile is read once per group; rows are padded to ``G_PAD`` >= 16 for ``tl.dot``."""
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    qk_scale, v_scale = _scales(qk_scale, ks_ptr, vs_ptr, FP8)
     ctx = tl.load(ctx_ptr + b)
     start = split * split_len
     end = tl.minimum(ctx, start + split_len)
@@ -85,6 +106,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_acc, part
                                      kvh * s_kh, tok, in_ctx, in_ctx[None, :], s_kb, s_ks,
                                      qk_scale, offs_d, d_mask, BLOCK_SIZE, DOT_DTYPE, PREC)
     mask = g_mask[:, None] & d_mask[None, :]
+    acc = acc * v_scale
     if SPLIT:  # unnormalised partials [B, H_q, S(, D)]; an empty split leaves m=-inf, l=0
         idx = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(part_m + idx, m_i, mask=g_mask)
@@ -124,7 +146,8 @@ def _choose_splits(programs: int, max_len: int, device: torch.device) -> int:
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           *, num_splits: int | None = None,
+                           *, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """As ``reference.paged_attention_decode``. The split count comes from the block table's
     width (no device sync); ``num_splits`` forces one, ``out`` receives the result."""
@@ -146,11 +169,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     d_pad = max(16, triton.next_power_of_2(head_dim))
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, split_len, splits, q.stride(0), q.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
-        out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad, SPLIT=splits > 1,
-        DOT_DTYPE=dot_dtype, PREC=prec)
+        scale * _LOG2E, split_len=split_len, num_splits=splits, s_qb=q.stride(0),
+        s_qh=q.stride(1), s_kb=k_cache.stride(0), s_ks=k_cache.stride(1),
+        s_kh=k_cache.stride(2), s_bt=block_tables.stride(0), s_ob=out.stride(0),
+        s_oh=out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad,
+        SPLIT=splits > 1, DOT_DTYPE=dot_dtype, PREC=prec, **kv_scale_args(q, k_scale, v_scale))
     if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),

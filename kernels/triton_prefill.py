@@ -11,7 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import _LOG2E, _attend_tile, _check, _dot_config
+from kernels.triton_attention import (
+    _LOG2E,
+    _attend_tile,
+    _check,
+    _dot_config,
+    _scales,
+    kv_scale_args,
+)
 
 
 @triton.jit
@@ -29,8 +36,9 @@ def _find_seq(cu_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # a constexpr 1 would break _find_seq's loop types
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, bt_ptr, ctx_ptr, out_ptr, qk_scale, num_seqs,
-                    s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_ot, s_oh, GROUP: tl.constexpr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, bt_ptr, ctx_ptr, out_ptr, qk_scale, ks_ptr,
+                    vs_ptr, num_seqs, s_qt, s_qh, s_kb, s_ks, s_kh, s_bt, s_ot, s_oh,
+                    FP8: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
@@ -42,6 +50,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, bt_ptr, ctx_ptr, out_ptr, qk_sc
     if first >= q_len:
         return
     ctx = tl.load(ctx_ptr + seq)
+    qk_scale, v_scale = _scales(qk_scale, ks_ptr, vs_ptr, FP8)
     offs_m, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, D_PAD)
     q_idx = first + offs_m // GROUP  # row m: query token m // GROUP, head m % GROUP
     heads = kvh * GROUP + offs_m % GROUP
@@ -63,7 +72,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, bt_ptr, ctx_ptr, out_ptr, qk_sc
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * s_bt,
                                      kvh * s_kh, tok, in_ctx, visible, s_kb, s_ks, qk_scale,
                                      offs_d, d_mask, BLOCK_SIZE, DOT_DTYPE, PREC)
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -71,6 +80,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, bt_ptr, ctx_ptr, out_ptr, qk_sc
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, *,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """As ``reference.paged_attention_prefill``; ``out`` receives the result."""
     _check(q, k_cache, v_cache)
@@ -85,9 +96,10 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dot_dtype, prec = _dot_config(q.dtype, q.device)
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, out, scale * _LOG2E,
-        num_seqs, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), GROUP=group,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=64 if cuda else 32, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        DOT_DTYPE=dot_dtype, PREC=prec)
+        num_seqs=num_seqs, s_qt=q.stride(0), s_qh=q.stride(1), s_kb=k_cache.stride(0),
+        s_ks=k_cache.stride(1), s_kh=k_cache.stride(2), s_bt=block_tables.stride(0),
+        s_ot=out.stride(0), s_oh=out.stride(1), GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if cuda else 32,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), DOT_DTYPE=dot_dtype, PREC=prec,
+        **kv_scale_args(q, k_scale, v_scale))
     return out

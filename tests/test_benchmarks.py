@@ -93,3 +93,14 @@ def test_beam(run_benchmark) -> None:
     assert result["identical_beams"] == {"pagedq vs transformers": [True, True]}
     pagedq = result["results"][0]
     assert pagedq["kv_blocks_peak"] < pagedq["kv_blocks_separate"]
+def test_kv_fp8(run_benchmark) -> None:
+    """At a budget of 10 fp32 blocks the workload preempts; fp8's 4x the blocks hold it."""
+    out = run_benchmark("kv_fp8.py", "--num-requests", "4", "--min-prompt", "8",
+                        "--max-prompt", "16", "--min-output", "32", "--max-output", "40",
+                        "--budgets", "4,0.00004")  # sequences of 5 to 7 blocks of 8
+    rows = {(r["budget_gib"], r["kv_cache_dtype"]): r for r in out["kv-fp8-tiny"]["results"]}
+    assert list(rows) == [(4.0, "auto"), (4.0, "fp8"), (0.00004, "auto"), (0.00004, "fp8")]
+    auto, fp8 = rows[0.00004, "auto"], rows[0.00004, "fp8"]
+    assert auto["kv_blocks_total"] == 10 and fp8["kv_blocks_total"] >= 39
+    assert auto["preemptions"] > 0 and fp8["preemptions"] == 0
+    assert "x auto" in out["stdout"]

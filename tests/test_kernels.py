@@ -73,60 +73,52 @@ def _paged(gen: torch.Generator, ctx_lens: list[int], num_kv_heads: int, head_di
     return k, v, tables.to(DEVICE), lens
 
 
+def _fp8_scales(kv_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """K and V scales that put the format's largest value at 3 and 2.5 standard deviations of
+    the test's normal KV: the tails saturate."""
+    top = torch.finfo(kv_dtype).max
+    return {"k_scale": torch.tensor(3 / top, device=DEVICE),
+            "v_scale": torch.tensor(2.5 / top, device=DEVICE)}
+
+
 def _check_attention(dtype: torch.dtype, group: int, num_kv_heads: int, head_dim: int,
                      block_size: int, seqs: list[tuple[int, int]],
-                     splits: list[int | None]) -> None:
+                     splits: list[int | None], kv_dtype: torch.dtype | None = None) -> None:
     """``seqs``: (new tokens, context length) per sequence, the rest of a context being its
-    cached prefix. One new token each takes the decode kernel, once per entry of ``splits``."""
-    gen = _gen(dtype, group, head_dim, block_size, seqs)
+    cached prefix. One new token each takes the decode kernel, once per entry of ``splits``.
+    ``kv_dtype`` fp8: the pool holds the KV quantized (NaN slots stay NaN bytes), and the
+    reference ops read it too."""
+    gen = _gen(dtype, group, head_dim, block_size, seqs, kv_dtype)
     k, v, tables, lens = _paged(gen, [c for _, c in seqs], num_kv_heads, head_dim, block_size,
                                 dtype)
     cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEVICE, torch.int32)
     q = _randn(gen, int(cu[-1]), num_kv_heads * group, head_dim, dtype=dtype)
     decode, scale = all(n == 1 for n, _ in seqs), head_dim**-0.5
-    clean = [t.float().nan_to_num() for t in (q, k, v)]  # the reference reads whole blocks
+    scales = {}
+    if kv_dtype is not None:
+        scales = _fp8_scales(kv_dtype)
+        k = reference.quantize(k, kv_dtype, scales["k_scale"])
+        v = reference.quantize(v, kv_dtype, scales["v_scale"])
+    # the fp32 reference on the dequantized, NaN-free KV
+    clean = [q.float()] + [reference.dequantize(t, torch.float32, scales.get(name)).float()
+                           .nan_to_num() for t, name in ((k, "k_scale"), (v, "v_scale"))]
     expected = (reference.paged_attention_decode(*clean, tables, lens, scale) if decode else
                 reference.paged_attention_prefill(*clean, cu, tables, lens, scale))
+    if kv_dtype is not None:  # the reference's own fp8 path, NaN slots and all
+        out = (reference.paged_attention_decode(q, k, v, tables, lens, scale, **scales)
+               if decode else
+               reference.paged_attention_prefill(q, k, v, cu, tables, lens, scale, **scales))
+        torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
     for num_splits in splits:
         out = torch.full_like(q, NAN)
         if decode:
             triton_ops.paged_attention_decode(q, k, v, tables, lens, scale,
-                                              num_splits=num_splits, out=out)
+                                              num_splits=num_splits, out=out, **scales)
         else:
-            triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out)
+            triton_ops.paged_attention_prefill(q, k, v, cu, tables, lens, scale, out=out,
+                                               **scales)
         assert out.isfinite().all(), f"NaN with num_splits={num_splits}"
         torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=ATOL[dtype])
-
-
-def _check_store(dtype: torch.dtype, num_tokens: int, num_heads: int, head_dim: int,
-                 block_size: int, num_blocks: int) -> None:
-    gen = _gen("store", dtype, num_tokens, head_dim, block_size)
-    # key as a strided view, as the engine's come out of the fused qkv matmul
-    key = _randn(gen, num_tokens, 2 * num_heads, head_dim, dtype=dtype)[:, :num_heads]
-    value = _randn(gen, num_tokens, num_heads, head_dim, dtype=dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[::4] = -1  # skipped
-    slots = slots.to(DEVICE)
-    shape = (num_blocks, block_size, num_heads, head_dim)
-    k, v = (torch.full(shape, NAN, dtype=dtype, device=DEVICE) for _ in range(2))
-    k_ref, v_ref = k.clone(), v.clone()
-    reference.store_kvcache(key, value, k_ref, v_ref, slots)
-    triton_ops.store_kvcache(key, value, k, v, slots)
-    torch.testing.assert_close(k, k_ref, equal_nan=True, atol=0, rtol=0)
-    torch.testing.assert_close(v, v_ref, equal_nan=True, atol=0, rtol=0)
-    assert k.isfinite().sum() == (slots >= 0).sum() * num_heads * head_dim
-
-
-def _check_copy(dtype: torch.dtype, num_layers: int, num_blocks: int, block_size: int,
-                num_heads: int, head_dim: int, num_pairs: int) -> None:
-    gen = _gen("copy", dtype, num_blocks, block_size)
-    pool = _randn(gen, 2, num_layers, num_blocks, block_size, num_heads, head_dim, dtype=dtype)
-    blocks = torch.randperm(num_blocks, generator=gen)[: 2 * num_pairs]
-    mapping = blocks.view(2, num_pairs).t().contiguous().to(DEVICE)  # disjoint src and dst
-    expected = pool.clone()
-    reference.copy_blocks(list(expected.flatten(0, 1)), mapping)
-    triton_ops.copy_blocks(list(pool.flatten(0, 1)), mapping)
-    assert torch.equal(pool, expected)
 
 
 def _check_rms_norm(dtype: torch.dtype, rows: int, hidden: int, with_residual: bool) -> None:
@@ -182,19 +174,6 @@ def test_prefill(dtype: torch.dtype, group: int, head_dim: int, block_size: int)
 
 
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("num_heads,head_dim,block_size", [(2, 64, 16), (3, 128, 32)])
-def test_store_kvcache(dtype: torch.dtype, num_heads: int, head_dim: int,
-                       block_size: int) -> None:
-    _check_store(dtype, 2 * block_size + 3, num_heads, head_dim, block_size, 4)
-
-
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_copy_blocks(dtype: torch.dtype, block_size: int) -> None:
-    _check_copy(dtype, 2, 8, block_size, 2, 64, 3)
-
-
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("hidden,with_residual", [(64, False), (96, True)])
 def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     _check_rms_norm(dtype, 5, hidden, with_residual)
@@ -218,18 +197,22 @@ def test_dispatch() -> None:
         kernels._resolve("rotary", cpu, "cutlass")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_engine_greedy(tiny_llama: Path, make_llm: Callable[..., LLM],
-                       monkeypatch: pytest.MonkeyPatch) -> None:
+                       monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str) -> None:
     """The engine's own calls (pool views, strided k/v, decode groups, chunked prefill, n=2
-    forks with copy-on-write) give the reference's greedy tokens on the Triton ops."""
+    forks with copy-on-write, fp8 scales from the first prefill) give the reference's greedy
+    tokens on the Triton ops."""
     prompts = [list(range(3, 38)), [7, 8]]
     params = SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True)
     outs = []
     for module in ("kernels.reference", "kernels.triton_ops"):
         for backend in kernels._BACKENDS:
             monkeypatch.setitem(kernels._BACKENDS, backend, module)
+        monkeypatch.setattr(kernels, "_FP8_CPU", module)
         llm = make_llm(tiny_llama, device=DEVICE.type, max_num_batched_tokens=16,
-                       num_kv_blocks=32, enforce_eager=True)  # the reference cannot be captured
+                       num_kv_blocks=32, enforce_eager=True,  # the reference cannot be captured
+                       kv_cache_dtype=kv_cache_dtype)
         outs.append([[o.token_ids for o in r.outputs]
                      for r in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
@@ -254,9 +237,7 @@ class TestCuda:
         _check_attention(dtype, group, 8, 128, 16, seqs, [None])
 
     @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-    def test_other_ops(self, dtype: torch.dtype) -> None:
-        _check_store(dtype, 4096, 8, 128, 16, 512)
-        _check_copy(dtype, 8, 256, 16, 8, 128, 64)
+    def test_other_ops(self, dtype: torch.dtype) -> None:  # store and copy: test_kernels_kv
         _check_rms_norm(dtype, 4096, 4096, True)
         _check_rms_norm(dtype, 1000, 2048, False)
         _check_rotary(dtype, 4096, 32, 8, 128, 8192)

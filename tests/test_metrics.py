@@ -137,9 +137,13 @@ def test_queue_figures_and_probes(redis_server_factory, monkeypatch) -> None:
         assert all(("pagedq_jobs_total", (("outcome", o),)) in samples
                    for o in ("finished", "failed", "canceled", "dead_letter"))
         metrics.loaded = True
-        metrics.tick(lambda: {"kv_blocks_total": 7})
+        metrics.tick(lambda: {"kv_blocks_total": 7, "kv_cache_dtype": "fp8",
+                              "kv_bytes_per_token": 128})
         assert get(port, "/readyz") == (200, "ok\n") and get(port, "/healthz") == (200, "ok\n")
-        assert value(scrape(port), "pagedq_kv_pool_blocks") == 7
+        samples = scrape(port)
+        assert value(samples, "pagedq_kv_pool_blocks") == 7
+        assert value(samples, "pagedq_kv_bytes_per_token") == 128
+        assert value(samples, "pagedq_kv_cache_info", kv_cache_dtype="fp8") == 1
         server.stop()  # Redis goes away: not ready, still alive
         status, text = get(port, "/readyz")
         assert status == 503 and text.startswith("redis unreachable")

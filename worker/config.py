@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory for weights, activations and KV")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV element type; fp8 (= fp8_e4m3), fp8_e5m2: 1 byte, 2-4x the blocks")
     max_num_seqs: int = Field(256, ge=1, description="sequences run side by side")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
     max_model_len: int | None = Field(None, ge=1,

@@ -14,7 +14,7 @@ workers in one process (the tests) each report their own figures. What is expose
   (it walks every block table, too slow for each step; the HTTP thread never touches the
   engine): running and waiting sequences, KV blocks used and total, KV utilisation, and the
   engine's own counters (prefix-cache queries and hits in tokens, preemptions, generated
-  tokens);
+  tokens), KV bytes per token and ``pagedq_kv_cache_info{kv_cache_dtype}`` (always 1);
 - the queue, read from Redis at scrape time (``producer.Client.stats``): depth (entries not
   yet delivered to any worker), pending (delivered, not acknowledged), dead letters, and
   ``pagedq_redis_up``.
@@ -49,6 +49,8 @@ ENGINE_METRICS = {
     "num_waiting": ("pagedq_waiting_sequences", "gauge", "Sequences waiting to be scheduled"),
     "kv_blocks_used": ("pagedq_kv_blocks_used", "gauge", "KV blocks referenced now"),
     "kv_blocks_total": ("pagedq_kv_pool_blocks", "gauge", "KV blocks in the pool"),
+    "kv_bytes_per_token": ("pagedq_kv_bytes_per_token", "gauge",
+                           "KV cache bytes one token takes (K and V, every layer)"),
     "kv_utilization": ("pagedq_kv_utilization", "gauge",
                        "Slots holding KV over slots in allocated blocks"),
     "prefix_cache_queries": ("pagedq_prefix_cache_queries", "counter",
@@ -92,7 +94,7 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.registry.register(_Snapshot(self))
         self.client = Client(redis_url, queue, retries=0)
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float | str] = {}
         self.loaded = self.stopping = False
         self.last_tick: float | None = None
         self._next_snapshot = 0.0
@@ -100,7 +102,7 @@ class Metrics:
         self._server: ThreadingWSGIServer | None = None
 
     # hooks -------------------------------------------------------------------------------
-    def tick(self, stats: Callable[[], dict[str, float]]) -> None:
+    def tick(self, stats: Callable[[], dict[str, float | str]]) -> None:
         """Called by the loop each tick with ``engine.stats`` (called at most every
         SNAPSHOT_S seconds)."""
         self.last_tick = now = time.monotonic()
@@ -184,6 +186,11 @@ class _Snapshot(Collector):
             if key in stats:
                 family.add_metric([], stats[key])
             yield family
+        info = GaugeMetricFamily("pagedq_kv_cache_info", "The KV cache's element type (label)",
+                                 labels=["kv_cache_dtype"])
+        if "kv_cache_dtype" in stats:
+            info.add_metric([str(stats["kv_cache_dtype"])], 1)
+        yield info
         try:
             queue = self.metrics.client.stats()
         except redis.RedisError:

@@ -1,0 +1,38 @@
+"""What the numba CPU kernels share: the thread pool sized as torch's, and softmax rows."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+import torch
+
+
+@contextmanager
+def numba_follows_torch() -> Iterator[None]:
+    """Runs a numba kernel on torch's thread count, and keeps torch's count as it was: numba's
+    first parallel launch starts OpenMP with every core, and torch reads its thread count back
+    from OpenMP, so ``torch.set_num_threads(1)`` would quietly become every core."""
+    threads = torch.get_num_threads()
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@numba.njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
+def softmax_numerators(scores: np.ndarray, length: int) -> np.ndarray:  # pragma: no cover
+    """Replaces each row's first ``length`` scores by ``exp(score - row max)`` in place and
+    returns the rows' sums (the denominators)."""
+    total = np.zeros(scores.shape[0], np.float32)
+    for g in range(scores.shape[0]):
+        top = np.float32(-np.inf)
+        for t in range(length):
+            top = max(top, scores[g, t])
+        for t in range(length):
+            scores[g, t] = np.exp(scores[g, t] - top)
+            total[g] += scores[g, t]
+    return total
