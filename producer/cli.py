@@ -37,7 +37,7 @@ from . import core
 from .aio import AsyncClient
 from .client import DEFAULT_URL, Client
 from .core import JobFailed, QueueFull
-from .protocol import Chunk, Done, End
+from .protocol import Chunk, Done, End, explain
 
 FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty")
@@ -45,14 +45,6 @@ INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
 FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LISTS = (("stop", str), ("stop_token_ids", int))  # repeatable: --stop A --stop B
 SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS)
-
-
-def explain(error: Exception) -> str:
-    """A validation error in one line: ``field: reason; ...``."""
-    if not isinstance(error, ValidationError):
-        return str(error)
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}"
-                     for e in error.errors())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ import time
 
 import structlog
 
+from engine.default_model import DEFAULT_MODEL
 from engine.llm_engine import LLMEngine
 from producer import rq_mirror
 from worker.config import Settings
@@ -84,8 +85,9 @@ class Worker:
             self.log.info("worker stopped")
 
     def _register(self) -> None:
+        model = self.settings.model or DEFAULT_MODEL  # what the gateway's /v1/models shows
         retry(lambda: rq_mirror.register_worker(self.conn, self.name, [self.consumer.queue],
-                                                WORKER_TTL_S), "register", self._past_grace)
+                                                WORKER_TTL_S, model), "register", self._past_grace)
 
     def _heartbeat(self) -> None:
         state = "busy" if self.driver.jobs else "idle"
