@@ -63,7 +63,8 @@ def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """A redis-server, one worker process on ``q`` and a gateway, shared by a module's tests."""
     server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
     worker = spawn(server.url, tiny_llama, "gw-worker")
-    gateway = GatewayThread(server.url, max_queue_len=50, workers_cache_s=0.2).start()
+    gateway = GatewayThread(server.url, max_queue_len=50, workers_cache_s=0.2,
+                            max_file_bytes=1 << 20).start()
     try:
         yield server, gateway
     finally:
