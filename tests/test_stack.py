@@ -36,7 +36,8 @@ from producer import Client
 from producer.protocol import Chunk, End
 from worker.redis_server import RedisServer, free_port
 
-ENV = {"REDIS_PASSWORD": "stack-pw-0123", "DASHBOARD_PASSWORD": "dash-pw-4567"}
+ENV = {"REDIS_PASSWORD": "stack-pw-0123", "DASHBOARD_PASSWORD": "dash-pw-4567",
+       "GATEWAY_API_KEYS": "gw-key-89ab"}
 USER = "admin"  # DASHBOARD_USERNAME's default
 DOCKERFILE = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # continuation lines
 BIN = Path(sys.executable).parent
