@@ -58,3 +58,11 @@ def test_queue(run_benchmark) -> None:
     assert result["throughput"]["token_ids_equal"] == 4
     assert result["latency"]["chunks"] == 2 * 4  # a chunk per token, each timed
     assert result["jobs"]["jobs"] == 40
+
+
+def test_gateway(run_benchmark) -> None:
+    out = run_benchmark("gateway.py", "--num-requests", "6", "--repeats", "1", "--rate", "20",
+                        "--min-output", "4", "--max-output", "8", "--streams", "50")
+    assert out["gateway"]["trace"]["greedy_agreement"]  # the same texts on both paths
+    assert out["gateway"]["streams"]["held"] == 50
+    assert "throughput ratio (gateway / client)" in out["stdout"]
