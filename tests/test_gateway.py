@@ -112,6 +112,11 @@ def test_every_error_status_is_an_openai_error(stack) -> None:  # noqa: F811
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.completions.create(model=QUEUE, prompt="x", max_tokens=2,
                                   extra_body={"min_tokens": 5})
+    too_long = {"model": QUEUE, "prompt": "x", "max_tokens": 5000}  # refused by the worker
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(**too_long)
+    with pytest.raises(openai.APIError, match="max_tokens"):  # in the stream, before [DONE]
+        list(client.completions.create(**too_long, stream=True))
     with pytest.raises(openai.NotFoundError, match="nope"):
         client.completions.create(model="nope", prompt="x")
     Client(server.url, queue="orphan").submit("x")  # a queue nobody serves

@@ -156,29 +156,33 @@ class BatchRunner:
     async def hold(self, batch_id: str) -> None:
         """Runs the batch while renewing its lease and watching for a cancel or the expiry."""
         store, lease = self.gateway.batches, self.gateway.settings.batch_lease_s
+        work: asyncio.Future | None = None
         try:
             batch = await store.get(batch_id)
             content = await self.gateway.files.content(batch["input_file_id"])
             lines, _ = parse_batch(content, batch["endpoint"])
             run = BatchRun(self.gateway, batch_id, lines)
+            if batch["status"] == "cancelling":  # canceled while no process held it
+                run.stop("cancelled")
             work = asyncio.ensure_future(run.run())
             while not work.done():
                 await asyncio.wait({work}, timeout=lease / 3)
                 if not await store.renew_lease(batch_id, lease):
-                    work.cancel()  # another process holds it now
-                    break
+                    break  # another process holds it now: the finally stops ours
                 status = await store.status(batch_id)
                 if status == "cancelling":
                     run.stop("cancelled")
                 elif batch["expires_at"] < time.time():
                     run.stop("expired")
-            await work
-        except asyncio.CancelledError:
-            raise
+            if work.done():
+                await work
         except Exception:
             log.exception("batch failed in this gateway; another will take it over",
                           batch=batch_id)
         finally:
+            if work is not None and not work.done():  # stopping, or the lease is lost
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
             self.running.pop(batch_id, None)
             try:  # at once, so that a restart need not wait for the lease to lapse
                 await store.release_lease(batch_id)

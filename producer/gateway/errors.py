@@ -7,19 +7,21 @@ sent nothing within the request timeout), 500 (a job that failed inside the work
 
 from typing import Any
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from ..core import JobFailed, QueueFull
+from ..core import InvalidJob, JobFailed, QueueFull
 from ..protocol import explain
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable", 504: "timeout", 500: "internal_error"}
 CLIENT_FAULTS = ("invalid_job", "invalid_request")  # the worker's codes for a bad job
+log = structlog.get_logger()
 
 
 class ApiError(Exception):
@@ -60,6 +62,12 @@ def install(app: FastAPI) -> None:
             error = from_exception(exc)
         return JSONResponse(error.body(), status_code=error.status)
 
-    for kind in (ApiError, RequestValidationError, ValidationError, ValueError, QueueFull,
+    for kind in (ApiError, RequestValidationError, ValidationError, InvalidJob, QueueFull,
                  JobFailed, TimeoutError, HTTPException):
         app.add_exception_handler(kind, handle)
+
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", path=request.url.path, exc_info=exc)
+        return await handle(request, exc)
+
+    app.add_exception_handler(Exception, crash)  # a bug: 500, still as OpenAI's error object
