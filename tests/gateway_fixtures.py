@@ -5,7 +5,7 @@ tiny random model, serving queue ``q``."""
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +57,25 @@ class GatewayThread:
         self.server = self.thread = None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def make_gateway() -> Iterator[Callable[..., GatewayThread]]:
+    """``make_gateway(redis_url, **settings)``: started gateways, stopped at teardown."""
+    made: list[GatewayThread] = []
+
+    def make(redis_url: str, **overrides: Any) -> GatewayThread:
+        made.append(GatewayThread(redis_url, **overrides).start())
+        return made[-1]
+
+    yield make
+    for gateway in made:
+        gateway.stop()
+
+
+@pytest.fixture(scope="session")
 def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         tuple[RedisServer, GatewayThread]]:
-    """A redis-server, one worker process on ``q`` and a gateway, shared by a module's tests."""
+    """A redis-server, one worker process on ``q`` and a gateway, shared by the gateway's
+    tests (each uses queues or ids of its own)."""
     server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
     worker = spawn(server.url, tiny_llama, "gw-worker")
     gateway = GatewayThread(server.url, max_queue_len=50, workers_cache_s=0.2,

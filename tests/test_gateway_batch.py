@@ -13,7 +13,6 @@ from typing import Any
 import openai
 import pytest
 import redis
-from gateway_fixtures import GatewayThread, stack  # noqa: F401
 from test_gateway import QUEUE, expected
 from test_worker import check_stream, events_of, wait_for
 from test_worker_recovery import chunks_in, spawn
@@ -21,7 +20,7 @@ from test_worker_recovery import chunks_in, spawn
 from producer.gateway.batch_runner import line_id
 from producer.gateway.schemas import CompletionRequest
 
-pytest_plugins = ["redis_fixtures"]
+pytest_plugins = ["redis_fixtures", "gateway_fixtures"]  # real servers; `stack` shared
 
 
 def jsonl(lines: list[Any]) -> io.BytesIO:
@@ -42,7 +41,7 @@ def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 120) -> An
     return batch
 
 
-def test_files(stack) -> None:  # noqa: F811
+def test_files(stack) -> None:
     client = stack[1].client()
     uploaded = client.files.create(file=("in.jsonl", jsonl([{"a": 1}])), purpose="batch")
     assert (uploaded.bytes, uploaded.filename, uploaded.purpose) == (9, "in.jsonl", "batch")
@@ -60,7 +59,7 @@ def test_files(stack) -> None:  # noqa: F811
     assert too_big.value.status_code == 413
 
 
-def test_a_batch_with_bad_lines_fails_naming_each(stack) -> None:  # noqa: F811
+def test_a_batch_with_bad_lines_fails_naming_each(stack) -> None:
     client = stack[1].client()
     good = {"model": QUEUE, "prompt": "hi", "max_tokens": 2}
     lines = [line("a", good), "not json", line("b", good, url="/v1/chat/completions"),
@@ -78,7 +77,7 @@ def test_a_batch_with_bad_lines_fails_naming_each(stack) -> None:  # noqa: F811
         client.batches.retrieve("batch_nope")
 
 
-def test_cancel_a_batch(stack) -> None:  # noqa: F811
+def test_cancel_a_batch(stack) -> None:
     client = stack[1].client()
     body = {"model": QUEUE, "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
     upload = client.files.create(file=("in.jsonl", jsonl([line(f"r{i}", body)
@@ -99,12 +98,12 @@ def test_cancel_a_batch(stack) -> None:  # noqa: F811
     assert batch.id in [b.id for b in client.batches.list()]
 
 
-def test_a_batch_outlives_a_killed_worker_and_a_gateway_restart(redis_url,
-                                                                tiny_llama: Path) -> None:
+def test_a_batch_outlives_a_killed_worker_and_a_gateway_restart(redis_url, tiny_llama: Path,
+                                                                make_gateway) -> None:
     doomed = spawn(redis_url, tiny_llama, "doomed")
-    gateway = GatewayThread(redis_url, batch_lease_s=1.5).start()
+    gateway = make_gateway(redis_url, batch_lease_s=1.5)
     client = gateway.client()
-    bodies = [{"model": QUEUE, "prompt": f"Job {i} of the batch", "max_tokens": 120 + 10 * i,
+    bodies = [{"model": QUEUE, "prompt": f"Job {i} of the batch", "max_tokens": 60 + 10 * i,
                "temperature": 0, "ignore_eos": True} for i in range(6)]
     bodies.append({"model": QUEUE, "prompt": ["two", "prompts"], "max_tokens": 50, "n": 2,
                    "temperature": 0})
@@ -114,7 +113,8 @@ def test_a_batch_outlives_a_killed_worker_and_a_gateway_restart(redis_url,
                                   completion_window="24h")
     conn = redis.Redis.from_url(redis_url, decode_responses=True)
     job_ids = [line_id(batch.id, f"req-{i}") + "-0" for i in range(6)]
-    wait_for(lambda: all(chunks_in(conn, j) >= 3 for j in job_ids), what="every job under way")
+    wait_for(lambda: all(chunks_in(conn, j) >= 3 for j in job_ids), timeout=90,
+             what="every job under way")
     gateway.stop()  # as a restart: its lines are in the queue or running
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(10)
