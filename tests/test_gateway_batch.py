@@ -13,10 +13,11 @@ from typing import Any
 import openai
 import pytest
 import redis
-from test_gateway import QUEUE, expected
-from test_worker import check_stream, events_of, wait_for
+from test_gateway import QUEUE
+from test_worker import check_stream, events_of, reference, wait_for
 from test_worker_recovery import chunks_in, spawn
 
+from producer.core import new_job
 from producer.gateway.batch_runner import line_id
 from producer.gateway.schemas import CompletionRequest
 
@@ -131,8 +132,11 @@ def test_a_batch_outlives_a_killed_worker_and_a_gateway_restart(redis_url, tiny_
     assert (batch.request_counts.completed, batch.request_counts.failed) == (7, 0)
     rows = [json.loads(x) for x in output.splitlines()]
     assert [r["custom_id"] for r in rows] == [f"req-{i}" for i in range(7)]  # each line once
-    for row, body in zip(rows, bodies, strict=True):
-        refs = expected(tiny_llama, CompletionRequest(**body))
+    requests = [CompletionRequest(**body) for body in bodies]
+    references = iter(reference(tiny_llama, [new_job(QUEUE, **spec) for request in requests
+                                             for spec in request.specs()]))
+    for row, request in zip(rows, requests, strict=True):
+        refs = [next(references) for _ in request.specs()]
         assert row["response"]["status_code"] == 200 and row["error"] is None
         texts = [c["text"] for c in row["response"]["body"]["choices"]]
         assert texts == [o.text for ref in refs for o in ref.outputs]
