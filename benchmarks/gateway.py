@@ -119,8 +119,15 @@ async def via_client(client: AsyncClient, request: dict[str, Any]) -> dict[str, 
     return {"ttft": first - sent, "tokens": tokens, "text": text}
 
 
-async def run_round(send: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    start = time.perf_counter()
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (/proc/PID/stat fields 14 and 15), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_round(send: Any, requests: list[dict[str, Any]], gateway_pid: int
+                    ) -> dict[str, Any]:
+    start, cpu = time.perf_counter(), cpu_seconds(gateway_pid)
 
     async def one(request: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, start + request["at"] - time.perf_counter()))
@@ -128,26 +135,30 @@ async def run_round(send: Any, requests: list[dict[str, Any]]) -> dict[str, Any]
 
     answers = await asyncio.gather(*(one(r) for r in requests))
     wall = time.perf_counter() - start
-    return {"tok_s": sum(a["tokens"] for a in answers) / wall, "wall_s": wall,
+    tokens = sum(a["tokens"] for a in answers)
+    return {"tok_s": tokens / wall, "wall_s": wall,
+            "gateway_cpu_ms_per_token": 1000 * (cpu_seconds(gateway_pid) - cpu) / tokens,
             "ttft_p50_ms": 1000 * statistics.median(a["ttft"] for a in answers),
             "texts": [a["text"] for a in answers]}
 
 
 async def trace_part(args: argparse.Namespace, base_url: str, redis_url: str,
-                     requests: list[dict[str, Any]]) -> dict[str, Any]:
+                     requests: list[dict[str, Any]], gateway_pid: int) -> dict[str, Any]:
     http = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=None), timeout=600)
     sdk = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, http_client=http, max_retries=0)
     rounds: dict[str, list[dict[str, Any]]] = {"gateway": [], "client": []}
     async with AsyncClient(redis_url, QUEUE) as client:
-        await run_round(lambda r: via_client(client, r), requests[:4])  # warm-up, both paths
-        await run_round(lambda r: via_gateway(sdk, r), requests[:4])
+        await run_round(lambda r: via_client(client, r), requests[:4], gateway_pid)  # warm-up
+        await run_round(lambda r: via_gateway(sdk, r), requests[:4], gateway_pid)
         for i in range(args.repeats):
             for name, send in (("gateway", lambda r: via_gateway(sdk, r)),
                                ("client", lambda r: via_client(client, r))):
-                result = await run_round(send, requests)
+                result = await run_round(send, requests, gateway_pid)
                 rounds[name].append(result)
                 log(f"round {i} {name}: {result['tok_s']:.1f} tok/s, TTFT p50 "
-                    f"{result['ttft_p50_ms']:.1f} ms, load {load_average():.2f}")
+                    f"{result['ttft_p50_ms']:.1f} ms, gateway CPU "
+                    f"{result['gateway_cpu_ms_per_token']:.3f} ms/token, "
+                    f"load {load_average():.2f}")
     await sdk.close()
     agree = all(r["texts"] == rounds["client"][0]["texts"] for rs in rounds.values() for r in rs)
     best = {name: max(r["tok_s"] for r in rs) for name, rs in rounds.items()}
@@ -163,34 +174,46 @@ async def streams_part(args: argparse.Namespace, base_url: str, gateway_pid: int
                        ) -> dict[str, Any]:
     http = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=None), timeout=600)
     sdk = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, http_client=http, max_retries=0)
-    release, opened, failed = asyncio.Event(), [], []
+    release, opened, failed, waiting = asyncio.Event(), [], [], set()
 
     async def hold() -> None:
+        """Open, the role chunk read, then waiting for a token that never comes: held. An
+        error instead (before or after the response began) is a failure."""
         try:
             stream = await sdk.chat.completions.create(
                 model=HOLD, messages=[{"role": "user", "content": "wait"}], stream=True)
+            events = stream.__aiter__()
+            await events.__anext__()
+            opened.append(stream)
+            waiting.add(stream)
+            following = asyncio.ensure_future(events.__anext__())
+            await asyncio.wait({following, asyncio.ensure_future(release.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            waiting.discard(stream)
+            if following.done():
+                following.result()
+            following.cancel()
+            await stream.close()
         except openai.APIError as e:
             failed.append(repr(e))
-            return
-        opened.append(stream)
-        await release.wait()
-        await stream.close()
 
     started = time.perf_counter()
     tasks = [asyncio.ensure_future(hold()) for _ in range(args.streams)]
     while len(opened) + len(failed) < args.streams and time.perf_counter() - started < 300:
         await asyncio.sleep(0.1)
     held_s = time.perf_counter() - started
+    await asyncio.sleep(2.0)  # errors that follow an open stream arrive at once
+    held = len(waiting)
     status = Path(f"/proc/{gateway_pid}/status").read_text()
     rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
     files = len(os.listdir(f"/proc/{gateway_pid}/fd"))
     release.set()
     await asyncio.gather(*tasks)
     await sdk.close()
-    log(f"{len(opened)} of {args.streams} streams held at once ({len(failed)} refused), "
+    log(f"{held} of {args.streams} streams held at once ({len(failed)} failed), "
         f"gateway RSS {rss / 1024:.0f} MiB, {files} open files")
-    return {"requested": args.streams, "held": len(opened), "refused": len(failed),
-            "first_refusals": failed[:3], "seconds_to_open": held_s,
+    return {"requested": args.streams, "held": held, "failed": len(failed),
+            "first_failures": sorted(set(failed))[:3], "seconds_to_open": held_s,
             "gateway_rss_mib": rss / 1024, "gateway_open_files": files}
 
 
@@ -224,7 +247,7 @@ def main() -> None:
         wait(lambda: any(m.id == QUEUE for m in sdk.models.list().data), "the worker")
         if "trace" in args.parts:
             result["trace"] = asyncio.run(trace_part(args, base_url, server.url,
-                                                     trace(args, path)))
+                                                     trace(args, path), procs[1].pid))
         if "streams" in args.parts:
             register_worker(redis.Redis.from_url(server.url), "asleep", [HOLD], ttl=600)
             wait(lambda: any(m.id == HOLD for m in sdk.models.list().data), "the hold queue")
@@ -244,6 +267,8 @@ def main() -> None:
                  ["TTFT p50 gateway / client (ms)",
                   f"{t['ttft_p50_ms']['gateway']:.1f} / {t['ttft_p50_ms']['client']:.1f}"],
                  ["added TTFT p50 (ms)", f"{t['added_ttft_p50_ms']:.1f}"],
+                 ["gateway CPU per token, gateway rounds (ms)",
+                  f"{min(r['gateway_cpu_ms_per_token'] for r in t['rounds']['gateway']):.3f}"],
                  ["greedy agreement", "agree" if t["greedy_agreement"] else "DIFFER"]]
     if "streams" in result:
         s = result["streams"]

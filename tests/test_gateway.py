@@ -15,6 +15,7 @@ from test_worker import reference, wait_for
 from producer import Client
 from producer.core import new_job
 from producer.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from producer.gateway.settings import parse_args
 from producer.protocol import queue_key
 from producer.rq_mirror import register_worker
 
@@ -166,3 +167,13 @@ def test_a_client_that_disconnects_cancels_its_job(stack) -> None:
     (key,) = set(jobs.redis.scan_iter("pagedq:results:*")) - before
     plain = jobs.job(key.removeprefix("pagedq:results:")).result(timeout=30)
     assert plain.status == "canceled"
+
+
+def test_settings_flags_override_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDQ_API_KEY", "a, b")
+    monkeypatch.setenv("PAGEDQ_PORT", "9000")
+    assert (parse_args([]).api_key, parse_args([]).port) == (["a", "b"], 9000)
+    settings = parse_args(["--api-key", "c", "--api-key", "d,e", "--port", "9001"])
+    assert (settings.api_key, settings.port) == (["c", "d", "e"], 9001)
+    with pytest.raises(ValueError, match="port"):
+        parse_args(["--port", "70000"])

@@ -2,11 +2,13 @@
 with the status OpenAI's SDKs turn into their exception classes: 400 ``BadRequestError`` (bad
 parameters, the pydantic message in one line), 401 ``AuthenticationError``, 404
 ``NotFoundError`` (unknown model, file or batch), 413 (upload over the size limit), 429
-``RateLimitError`` (the queue is full), 503 (no live worker serves the model), 504 (the job
-sent nothing within the request timeout), 500 (a job that failed inside the worker)."""
+``RateLimitError`` (the queue is full), 503 (no live worker serves the model, or Redis is
+unreachable or busy), 504 (the job sent nothing within the request timeout), 500 (a job that
+failed inside the worker, or a bug)."""
 
 from typing import Any
 
+import redis
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +51,9 @@ def from_exception(exc: Exception) -> ApiError:
         return ApiError(429, str(exc), "queue_full")
     if isinstance(exc, JobFailed):
         return ApiError(400 if exc.code in CLIENT_FAULTS else 500, exc.message, exc.code)
+    if isinstance(exc, redis.RedisError):  # Redis away, or this process' pools exhausted
+        return ApiError(503, f"the queue is unavailable: {type(exc).__name__}: {exc}",
+                        "redis_unavailable")
     if isinstance(exc, TimeoutError):
         return ApiError(504, str(exc), "timeout")
     return ApiError(500, f"{type(exc).__name__}: {exc}", "internal")
