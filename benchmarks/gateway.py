@@ -199,7 +199,7 @@ async def streams_part(args: argparse.Namespace, base_url: str, gateway_pid: int
 
     started = time.perf_counter()
     tasks = [asyncio.ensure_future(hold()) for _ in range(args.streams)]
-    while len(opened) + len(failed) < args.streams and time.perf_counter() - started < 300:
+    while len(opened) + len(failed) < args.streams and time.perf_counter() - started < 120:
         await asyncio.sleep(0.1)
     held_s = time.perf_counter() - started
     await asyncio.sleep(2.0)  # errors that follow an open stream arrive at once

@@ -68,7 +68,7 @@ def install(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=error.status)
 
     for kind in (ApiError, RequestValidationError, ValidationError, InvalidJob, QueueFull,
-                 JobFailed, TimeoutError, HTTPException):
+                 JobFailed, TimeoutError, HTTPException, redis.RedisError):
         app.add_exception_handler(kind, handle)
 
     async def crash(request: Request, exc: Exception) -> JSONResponse:
