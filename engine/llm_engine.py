@@ -19,7 +19,7 @@ from engine.outputs import RequestDelta, SampleDelta
 from engine.request import Limits, Request, Resume, check_beam, prompt_ids
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Room, Scheduler
 from engine.sequence import Sequence
 
 log = structlog.get_logger()
@@ -242,23 +242,11 @@ class LLMEngine:
         }
 
     # -- for a service that feeds the engine (worker/): public, self-contained ------------------
-    def room(self, steps: int = 1) -> "Room":
+    def room(self, steps: int = 1) -> Room:
         """What the scheduler could still start within the next ``steps`` steps, after the
-        sequences it holds: a service reads only that much new work, and leaves the rest to
-        its peers. Counts sequence slots (a waiting prompt counts its n samples), KV blocks
-        (free and evictable ones, less the prompt blocks of the waiting sequences and one
-        block per running sequence per ``block_size`` steps of growth) and prefill tokens
-        (the token budget of ``steps`` steps, less one decode token per running sequence and
-        step, less the waiting prompts). O(running + waiting)."""
-        scheduler, bs = self.scheduler, self.config.block_size
-        held = sum(1 + s.pending_forks for s in (*scheduler.running, *scheduler.waiting))
-        waiting_tokens = sum(len(s) - s.num_computed_tokens for s in scheduler.waiting)
-        waiting_blocks = sum(-(-len(s) // bs) for s in scheduler.waiting)
-        growth = -(-len(scheduler.running) * steps // bs)
-        return Room(seqs=self.config.max_num_seqs - held,
-                    blocks=self.block_manager.num_free_blocks - waiting_blocks - growth,
-                    tokens=steps * (self.config.max_num_batched_tokens - len(scheduler.running))
-                    - waiting_tokens)
+        sequences it holds (``Scheduler.room``): a service reads only that much new work, and
+        leaves the rest to its peers."""
+        return self.scheduler.room(steps)
 
     def held_back_text(self, params: SamplingParams, token_ids: list[int],
                        emitted_chars: int) -> str:
@@ -270,12 +258,3 @@ class LLMEngine:
         detokenizer.resume(token_ids, emitted_chars)
         return detokenizer.pop_delta(finished=True)
 
-
-@dataclass
-class Room:
-    """``LLMEngine.room()``: free sequence slots, KV blocks and prefill tokens (each may be
-    negative: over-committed)."""
-
-    seqs: int
-    blocks: int
-    tokens: int

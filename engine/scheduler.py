@@ -31,6 +31,16 @@ class SchedulerOutput:
         self.num_new_tokens.append(num_new_tokens)
 
 
+@dataclass
+class Room:
+    """``Scheduler.room()``: free sequence slots, KV blocks and prefill tokens (each may be
+    negative: over-committed)."""
+
+    seqs: int
+    blocks: int
+    tokens: int
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
@@ -40,6 +50,24 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _age
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    def room(self, steps: int) -> Room:
+        """What could still start within the next ``steps`` steps, after the sequences held.
+        Counts sequence slots (a waiting sequence counts its samples or beams), KV blocks (free
+        and evictable ones, less the prompt blocks of the waiting sequences and one block per
+        running sequence per ``block_size`` steps of growth) and prefill tokens (the token
+        budget of ``steps`` steps, less one decode token per running sequence and step, less
+        the waiting prompts). O(running + waiting)."""
+        bs = self.block_manager.block_size
+        held = sum(1 + s.pending_forks for s in self.running) + sum(
+            s.num_slots for s in self.waiting)
+        waiting_tokens = sum(len(s) - s.num_computed_tokens for s in self.waiting)
+        waiting_blocks = sum(-(-len(s) // bs) for s in self.waiting)
+        growth = -(-len(self.running) * steps // bs)
+        return Room(seqs=self.max_num_seqs - held,
+                    blocks=self.block_manager.num_free_blocks - waiting_blocks - growth,
+                    tokens=steps * (self.max_num_batched_tokens - len(self.running))
+                    - waiting_tokens)
 
     def add(self, seq: Sequence) -> None:
         insort(self.waiting, seq, key=_age)

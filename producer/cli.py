@@ -5,39 +5,34 @@
     pagedq cancel JOB_ID
     pagedq status [--json]
 
-Every command takes ``--redis-url`` (default ``$REDIS_URL``, else redis://localhost:6379/0) and
-``--queue``. ``submit`` streams the text as it arrives (one sample), or prints each sample when
-it ends (``--n`` > 1); Ctrl-C cancels the job.
-
-``batch``: each input line is a job as a JSON object with submit's keywords (``prompt`` or
-``messages``, sampling keys, ``priority``, ``deadline``); blank lines are skipped. Every line is
-validated before anything is submitted. Output lines are ``{"line": N, ...JobResult}`` or
-``{"line": N, "id", "error": {"code", "message"}}``, in input order (finished results wait for
-the earlier ones). A job's id is ``b{sha256 of the input file}-{line}``, so a rerun of the same
-file resumes: lines already in the output are skipped (a torn last line is dropped), and jobs
-submitted before the interruption are re-attached, not run again (submit is idempotent per id).
-An output written from another input is refused. A full queue makes the batch wait and retry.
+Every command takes ``--redis-url`` (default ``$PAGEDQ_REDIS_URL``, else ``$REDIS_URL``, else
+redis://localhost:6379/0) and ``--queue`` (default ``$PAGEDQ_QUEUE``, else ``default``): the
+worker's variables. Redis is pinged once first, without retries, so a wrong URL fails at once.
+``submit`` streams the text as it arrives; with ``--n`` > 1 the samples stream one after
+another (the first live, each next one from where it has got to when the previous ends); Ctrl-C
+cancels the job. ``max_tokens`` defaults to 16, as in vLLM. ``batch``: see ``cli_batch``.
+``cancel`` refuses ids that are malformed, unknown (or expired) or already ended, and then sets
+no key.
 """
 
 import argparse
-import asyncio
-import hashlib
 import json
 import os
+import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import redis
-from pydantic import ValidationError
-from tqdm import tqdm
+from pydantic import TypeAdapter, ValidationError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from . import core
-from .aio import AsyncClient
+from .cli_batch import cmd_batch
 from .client import DEFAULT_URL, Client
-from .core import JobFailed, QueueFull
-from .protocol import Chunk, Done, End
+from .core import InvalidJob, JobFailed, QueueFull
+from .protocol import Chunk, Done, End, Job, Sampling, results_key
+from .rq_mirror import job_key
 
 FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "length_penalty")
@@ -46,53 +41,87 @@ FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LISTS = (("stop", str), ("stop_token_ids", int))  # repeatable: --stop A --stop B
 CHOICES = {"early_stopping": {"false": False, "true": True, "never": "never"}}  # beam search
 SAMPLING_OPTIONS = FLOATS + INTS + FLAGS + tuple(name for name, _ in LISTS) + tuple(CHOICES)
-
-
-def explain(error: Exception) -> str:
-    """A validation error in one line: ``field: reason; ...``."""
-    if not isinstance(error, ValidationError):
-        return str(error)
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}"
-                     for e in error.errors())
+ENDED = ("finished", "failed", "canceled")
+_JOB_ID = TypeAdapter(Annotated[str, Job.model_fields["id"]])
 
 
 def build_parser() -> argparse.ArgumentParser:
+    shown = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="pagedq", description="Submit prompts, run JSONL batches, cancel jobs, see a queue.")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_URL))
-    parser.add_argument("--queue", default="default")
+        prog="pagedq", formatter_class=shown,
+        description="Submit prompts, run JSONL batches, cancel jobs, see a queue.")
+    parser.add_argument("--redis-url", help="env PAGEDQ_REDIS_URL or REDIS_URL",
+                        default=os.environ.get("PAGEDQ_REDIS_URL")
+                        or os.environ.get("REDIS_URL") or DEFAULT_URL)
+    parser.add_argument("--queue", default=os.environ.get("PAGEDQ_QUEUE") or "default",
+                        help="env PAGEDQ_QUEUE")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    submit = commands.add_parser("submit", help="submit one prompt and stream its text")
+    submit = commands.add_parser("submit", help="submit one prompt and stream its text",
+                                 formatter_class=shown)
     submit.add_argument("prompt")
     submit.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    submit.add_argument("--priority", type=int, default=0)
+    submit.add_argument("--priority", type=int, default=0, help="lower runs first")
     submit.add_argument("--timeout", type=float, help="seconds without a token before giving up")
-    for name in FLOATS + INTS:  # absent options keep SamplingParams' defaults
-        submit.add_argument(f"--{name.replace('_', '-')}", type=float if name in FLOATS else int,
-                            default=argparse.SUPPRESS)
-    for name in FLAGS:
-        submit.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
-                            default=argparse.SUPPRESS)
-    for name, kind in LISTS:
-        submit.add_argument(f"--{name.replace('_', '-')}", type=kind, action="append",
-                            default=argparse.SUPPRESS)
-    for name, values in CHOICES.items():
-        submit.add_argument(f"--{name.replace('_', '-')}", type=values.__getitem__,
-                            choices=list(values.values()), default=argparse.SUPPRESS)
+    for name in SAMPLING_OPTIONS:  # absent options keep SamplingParams' defaults
+        option, field = f"--{name.replace('_', '-')}", Sampling.model_fields[name]
+        default = field.default_factory() if field.default_factory else field.default
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"default: {default}"}
+        if name in FLAGS:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif name in INTS or name in FLOATS:
+            kwargs["type"] = float if name in FLOATS else int
+        elif name in CHOICES:
+            kwargs |= {"type": CHOICES[name].__getitem__, "choices": list(CHOICES[name].values())}
+        else:
+            kwargs |= {"type": dict(LISTS)[name], "action": "append"}
+        submit.add_argument(option, **kwargs)
 
-    batch = commands.add_parser("batch", help="run a JSONL file of jobs, resumably")
+    batch = commands.add_parser("batch", help="run a JSONL file of jobs, resumably",
+                                formatter_class=shown)
     batch.add_argument("input", type=Path)
     batch.add_argument("-o", "--output", type=Path, required=True)
     batch.add_argument("--max-in-flight", type=int, default=32)
     batch.add_argument("--timeout", type=float, help="seconds to wait for each job")
 
-    cancel = commands.add_parser("cancel", help="cancel a job")
+    cancel = commands.add_parser("cancel", help="cancel a queued or running job")
     cancel.add_argument("job_id")
 
     status = commands.add_parser("status", help="queue depth, consumers, dead letters, workers")
     status.add_argument("--json", action="store_true")
     return parser
+
+
+def out(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+class SamplePrinter:
+    """Streams a job's samples one after another: the current one live, the others kept until
+    it ends, then shown (what they have so far) and continued live."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.current = n, 0
+        self.texts, self.reasons = [""] * n, [None] * n
+        self._open()
+
+    def _open(self) -> None:
+        if self.n > 1:
+            out(f"--- sample {self.current} ---\n{self.texts[self.current]}")
+
+    def chunk(self, event: Chunk) -> None:
+        self.texts[event.sample] += event.text
+        if event.sample == self.current:
+            out(event.text)
+
+    def done(self, event: Done) -> None:
+        score = "" if event.cum_logprob is None else f" {event.cum_logprob:.4f}"  # a beam's
+        self.reasons[event.sample] = f"{event.finish_reason}{score}"
+        while self.current < self.n and self.reasons[self.current] is not None:
+            out(f"\n[{self.reasons[self.current]}]\n")
+            self.current += 1
+            if self.current < self.n:
+                self._open()
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
@@ -101,20 +130,14 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         else {"prompt": args.prompt}
     job = client.submit(**prompt, priority=args.priority, **sampling)
     print(f"job {job.id}", file=sys.stderr)
-    # One sample streams; several (or beams, ranked only at the end) print as each one ends.
-    live = max(sampling.get("n", 1), sampling.get("beam_width", 1)) == 1
-    texts: dict[int, str] = {}
+    # One sample streams; several (or beams, ranked only at the end) print one after another.
+    printer = SamplePrinter(max(sampling.get("n", 1), sampling.get("beam_width", 1)))
     try:
         for event in job.stream(timeout=args.timeout):
             if isinstance(event, Chunk):
-                texts[event.sample] = texts.get(event.sample, "") + event.text
-                if live:
-                    print(event.text, end="", flush=True)
+                printer.chunk(event)
             elif isinstance(event, Done):
-                text = texts.get(event.sample, "")
-                head = "" if live else f"--- sample {event.sample} ---\n{text}"
-                score = "" if event.cum_logprob is None else f" {event.cum_logprob:.4f}"
-                print(f"{head}\n[{event.finish_reason}{score}]", flush=True)
+                printer.done(event)
             elif isinstance(event, End):
                 print(f"usage: {event.usage.prompt_tokens} prompt tokens, "
                       f"{event.usage.completion_tokens} completion tokens", file=sys.stderr)
@@ -125,88 +148,21 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def read_batch(path: Path, queue: str) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, submit keywords with job_id)`` per job line; validates them all."""
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    specs = []
-    for number, line in enumerate(data.decode().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            spec = json.loads(line)
-            if not isinstance(spec, dict):
-                raise ValueError("a job must be a JSON object")
-            spec["job_id"] = f"b{digest}-{number}"
-            core.new_job(queue, **spec)
-        except (ValueError, TypeError) as e:  # ValidationError is a ValueError
-            raise SystemExit(f"{path}:{number}: {explain(e)}") from None
-        specs.append((number, spec))
-    return specs
-
-
-def done_lines(path: Path) -> dict[int, str]:
-    """``{line number: job id}`` already in the output; drops a torn last line left by an
-    interruption."""
-    if not path.exists():
-        return {}
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        path.write_bytes(data)
-    records = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-    return {record["line"]: record["id"] for record in records}
-
-
-async def run_batch(client: AsyncClient, todo: list[tuple[int, dict[str, Any]]], out: Any,
-                    max_in_flight: int, timeout: float | None, bar: tqdm) -> None:
-    results: dict[int, dict[str, Any]] = {}
-    written = 0  # todo[:written] are in the output
-
-    async def run(k: int) -> dict[str, Any]:
-        number, spec = todo[k]
-        while True:
-            try:
-                job = await client.submit(**spec)
-                break
-            except QueueFull:
-                await asyncio.sleep(1.0)
-        try:
-            return {"line": number, **(await job.result(timeout)).model_dump(mode="json")}
-        except JobFailed as e:
-            return {"line": number, "id": job.id, "error": {"code": e.code, "message": e.message}}
-
-    async def lane(ks: Iterator[int]) -> None:
-        nonlocal written
-        for k in ks:  # the lanes share one iterator: a free lane takes the next job
-            results[k] = await run(k)
-            bar.update(1)
-            while written in results:  # write the finished prefix, in input order
-                out.write(json.dumps(results.pop(written)) + "\n")
-                written += 1
-            out.flush()
-
-    ks = iter(range(len(todo)))
-    await asyncio.gather(*(lane(ks) for _ in range(max(1, min(max_in_flight, len(todo))))))
-
-
-def cmd_batch(url: str, queue: str, args: argparse.Namespace) -> int:
-    specs = read_batch(args.input, queue)
-    done = done_lines(args.output)
-    if any(done.get(n, spec["job_id"]) != spec["job_id"] for n, spec in specs):
-        raise SystemExit(f"{args.output} holds results of another input: choose another output")
-    todo = [(n, spec) for n, spec in specs if n not in done]
-    if done:
-        print(f"resuming: {len(specs) - len(todo)} of {len(specs)} lines already done",
-              file=sys.stderr)
-
-    async def go() -> None:
-        async with AsyncClient(url, queue) as client:
-            with args.output.open("a") as out, tqdm(total=len(specs), initial=len(specs) -
-                                                    len(todo), unit="job", file=sys.stderr) as bar:
-                await run_batch(client, todo, out, args.max_in_flight, args.timeout, bar)
-
-    asyncio.run(go())
+def cmd_cancel(client: Client, job_id: str) -> int:
+    try:
+        _JOB_ID.validate_python(job_id)
+    except ValidationError:
+        print(f"error: {job_id!r} is no job id (1-128 of A-Z a-z 0-9 _ -)", file=sys.stderr)
+        return 2
+    if not client.redis.exists(job_key(job_id), results_key(job_id)):
+        print(f"error: no job {job_id} (unknown, or ended and expired)", file=sys.stderr)
+        return 1
+    status = client.job(job_id).status()
+    if status in ENDED:
+        print(f"error: job {job_id} is already {status}: nothing to cancel", file=sys.stderr)
+        return 1
+    client.job(job_id).cancel()
+    print(f"cancel requested for {job_id} ({status})")
     return 0
 
 
@@ -227,29 +183,49 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def check_reachable(url: str) -> None:
+    """One ping without retries: a wrong URL fails now, not after the client's backoff."""
+    conn = redis.Redis.from_url(url, socket_connect_timeout=3, retry=Retry(NoBackoff(), 0))
+    try:
+        conn.ping()
+    except redis.RedisError as e:
+        shown = re.sub(r"//[^@/]*@", "//***@", url)  # no password in the message
+        raise SystemExit(f"error: cannot reach Redis at {shown}: {e} (is it running? set "
+                         "--redis-url or PAGEDQ_REDIS_URL)") from None
+    finally:
+        conn.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    check_reachable(args.redis_url)
+    if args.command == "batch":
+        try:
+            return cmd_batch(args.redis_url, args.queue, args.input, args.output,
+                             args.max_in_flight, args.timeout, sys.stderr)
+        except KeyboardInterrupt:
+            print("\ninterrupted: run the same command again to resume", file=sys.stderr)
+            return 130
+    with Client(args.redis_url, args.queue) as client:
+        if args.command == "submit":
+            return cmd_submit(client, args)
+        if args.command == "cancel":
+            return cmd_cancel(client, args.job_id)
+        return cmd_status(client, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "batch":
-            try:
-                return cmd_batch(args.redis_url, args.queue, args)
-            except KeyboardInterrupt:
-                print("\ninterrupted: run the same command again to resume", file=sys.stderr)
-                return 130
-        with Client(args.redis_url, args.queue) as client:
-            if args.command == "submit":
-                return cmd_submit(client, args)
-            if args.command == "cancel":
-                client.job(args.job_id).cancel()
-                print(f"cancel requested for {args.job_id}")
-                return 0
-            return cmd_status(client, args)
-    except ValidationError as e:
-        print(f"error: invalid job: {explain(e)}", file=sys.stderr)
+        return run(args)
+    except InvalidJob as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except (QueueFull, JobFailed, TimeoutError, redis.RedisError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`pagedq status | head -1`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -17,9 +17,20 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from .protocol import EVENT_FIELD, Chunk, Done, End, Error, Event, Job, Sampling, Usage
+from .protocol import (
+    EVENT_FIELD,
+    Chunk,
+    Done,
+    End,
+    Error,
+    Event,
+    Job,
+    Sampling,
+    Usage,
+    explain,
+)
 
 BLOCK_SLICE = 1.0
 READ_COUNT = 512  # events per read
@@ -33,6 +44,15 @@ class QueueFull(Exception):
         super().__init__(f"queue {queue!r} is full: {waiting} jobs not yet delivered to a "
                          f"worker, limit {max_queue_len}; nothing was submitted")
         self.queue, self.waiting, self.max_queue_len = queue, waiting, max_queue_len
+
+
+class InvalidJob(ValueError):
+    """A job the protocol refuses; the message names each bad field in one line. ``errors``:
+    pydantic's list, for programs."""
+
+    def __init__(self, error: ValidationError) -> None:
+        super().__init__(f"invalid job: {explain(error)}")
+        self.errors = error.errors()
 
 
 class JobFailed(Exception):
@@ -63,11 +83,16 @@ class JobResult(BaseModel):
 def new_job(queue: str, prompt: str | list[int] | None = None, *,
             messages: list[dict[str, str]] | None = None, priority: int = 0,
             deadline: float | None = None, job_id: str | None = None, **sampling: Any) -> Job:
-    """A validated Job; ``sampling`` takes SamplingParams' keywords. Raises pydantic's
-    ValidationError (a ValueError) naming each bad field."""
-    return Job(id=job_id or uuid.uuid4().hex, queue=queue, prompt=prompt, messages=messages,
-               sampling=Sampling(**sampling), priority=priority, deadline=deadline,
-               created_at=time.time())
+    """A validated Job; ``sampling`` takes SamplingParams' keywords (``stop=None``: no stop
+    string, as vLLM). Raises InvalidJob (a ValueError) naming each bad field."""
+    if sampling.get("stop", []) is None:
+        del sampling["stop"]
+    try:
+        return Job(id=job_id or uuid.uuid4().hex, queue=queue, prompt=prompt, messages=messages,
+                   sampling=Sampling(**sampling), priority=priority, deadline=deadline,
+                   created_at=time.time())
+    except ValidationError as error:
+        raise InvalidJob(error) from None
 
 
 def new_jobs(queue: str, specs: Iterable[dict[str, Any]]) -> list[Job]:

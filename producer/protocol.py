@@ -26,6 +26,16 @@ MAX_N = 64  # samples per job: more is refused as absurd
 MAX_TOKENS = 1 << 20  # a hard ceiling; the worker also checks the model's context
 
 
+def explain(error: Exception) -> str:
+    """A validation error (pydantic's, or FastAPI's of a request body) in one line:
+    ``field: reason; ...``; any other error as its message."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        return str(error)
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'job'}: {e['msg']}"
+                     for e in errors())
+
+
 def queue_key(queue: str) -> str:
     return f"{PREFIX}:queue:{queue}"
 

@@ -20,8 +20,9 @@ is a view: the streams are the source of truth. Its keys, all RQ's:
   base64 of JSON, ``exc_string`` base64 of zlib).
 - ``rq:workers``, ``rq:workers:{q}``: sets of ``rq:worker:{name}`` hashes (``birth``,
   ``last_heartbeat``, ``queues`` comma-joined, ``pid``, ``hostname``, ``python_version``,
-  ``state``), which expire unless heartbeats come. ``current_job`` is never set: rq-dashboard's
-  worker view fetches it with the pickle serializer and breaks on JSON jobs.
+  ``state``; pagedq's ``model``, the model the worker serves), which expire unless heartbeats
+  come. ``current_job`` is never set: rq-dashboard's worker view fetches it with the pickle
+  serializer and breaks on JSON jobs.
 
 The job transitions (queued -> started -> finished / failed / canceled) are
 ``producer.rq_transitions``: one script call for many jobs.
@@ -164,15 +165,18 @@ def enqueue_reply(reply: list[int], queue: str, max_queue_len: int | None) -> li
     return [bool(flag) for flag in reply[1:]]
 
 
-def register_worker(conn: Any, name: str, queues: list[str], ttl: int) -> None:
+def register_worker(conn: Any, name: str, queues: list[str], ttl: int,
+                    model: str | None = None) -> None:
     """Registers an RQ worker record (state ``idle``) that expires ``ttl`` seconds after the
-    last heartbeat. Replaces any previous record of that name."""
+    last heartbeat. Replaces any previous record of that name. ``model`` (an extra field RQ
+    ignores) is what the gateway's ``/v1/models`` shows for the worker's queue."""
     key, now = worker_key(name), timestamp()
     with conn.pipeline() as pipe:  # MULTI: never half registered
         pipe.delete(key)
         pipe.hset(key, mapping={"birth": now, "last_heartbeat": now, "queues": ",".join(queues),
                                 "pid": os.getpid(), "hostname": socket.gethostname(),
-                                "python_version": sys.version, "state": "idle"})
+                                "python_version": sys.version, "state": "idle",
+                                **({"model": model} if model else {})})
         pipe.expire(key, ttl)
         pipe.sadd(WORKERS, key)
         for queue in queues:

@@ -6,7 +6,9 @@ Per job the script writes what ``producer.rq_mirror`` describes: the ``rq:job:{i
 (``status``, ``started_at``, ``last_heartbeat``, ``worker_name``, ``ended_at``, ``exc_info``;
 it expires ``ttl`` seconds after the job ends), the started registry (member ``{id}:pagedq``,
 score ``+inf``), the finished / failed / canceled registries (scored by expiry; expired members
-dropped once per call) and ``rq:results:{id}``. A job leaves the ``rq:queue:{q}`` list only
+dropped once per call), ``rq:results:{id}``, and the ending worker's ``successful_job_count`` /
+``failed_job_count`` in its ``rq:worker:{name}`` record (RQ's own counters; its
+``total_working_time`` is not kept). A job leaves the ``rq:queue:{q}`` list only
 while its hash still says ``queued``: the list is scanned once per job (from the head, where
 the oldest jobs are, and only to the first match), never for a job already started. Re-applying
 a transition (a re-sent round trip, a peer's reclaim) changes no count.
@@ -53,7 +55,8 @@ while a <= #ARGV do
   local status, fence, id, job = ARGV[a], ARGV[a + 1], ARGV[a + 2], KEYS[k]
   local width = status == 'started' and 4 or 7
   if fence == '' or redis.call('XLEN', KEYS[k + 2]) == tonumber(fence) then
-    if redis.call('HGET', job, 'status') == 'queued' then redis.call('LREM', queue, 1, id) end
+    local previous = redis.call('HGET', job, 'status')
+    if previous == 'queued' then redis.call('LREM', queue, 1, id) end
     if status == 'started' then
       redis.call('ZADD', wip, '+inf', id .. ':{EXECUTION}')
       redis.call('HSET', job, 'status', status, 'started_at', stamp, 'last_heartbeat', stamp,
@@ -67,6 +70,16 @@ while a <= #ARGV do
           touched[key] = true
         else
           redis.call('ZREM', key, id)
+        end
+      end
+      local worker = redis.call('HGET', job, 'worker_name')
+      if previous ~= status and status ~= 'canceled' and worker and worker ~= '' then
+        -- RQ's per-worker counts, as rq-dashboard shows them; only on a live record (HINCRBY
+        -- on an expired one would leave a key without TTL). RQ's key, rq_mirror.worker_key.
+        local record = 'rq:worker:' .. worker
+        if redis.call('EXISTS', record) == 1 then
+          redis.call('HINCRBY', record, status == 'finished' and 'successful_job_count'
+                     or 'failed_job_count', 1)
         end
       end
       redis.call('HSET', job, 'status', status, 'ended_at', stamp)

@@ -93,6 +93,8 @@ def test_beam(run_benchmark) -> None:
     assert result["identical_beams"] == {"pagedq vs transformers": [True, True]}
     pagedq = result["results"][0]
     assert pagedq["kv_blocks_peak"] < pagedq["kv_blocks_separate"]
+
+
 def test_kv_fp8(run_benchmark) -> None:
     """At a budget of 10 fp32 blocks the workload preempts; fp8's 4x the blocks hold it."""
     out = run_benchmark("kv_fp8.py", "--num-requests", "4", "--min-prompt", "8",
@@ -104,3 +106,11 @@ def test_kv_fp8(run_benchmark) -> None:
     assert auto["kv_blocks_total"] == 10 and fp8["kv_blocks_total"] >= 39
     assert auto["preemptions"] > 0 and fp8["preemptions"] == 0
     assert "x auto" in out["stdout"]
+
+
+def test_gateway(run_benchmark) -> None:
+    out = run_benchmark("gateway.py", "--num-requests", "6", "--repeats", "1", "--rate", "20",
+                        "--min-output", "4", "--max-output", "8", "--streams", "50")
+    assert out["gateway"]["trace"]["greedy_agreement"]  # the same texts on both paths
+    assert out["gateway"]["streams"]["held"] == 50
+    assert "throughput ratio (gateway / client)" in out["stdout"]

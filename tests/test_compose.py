@@ -12,11 +12,12 @@ import jsonschema
 import pytest
 from compose_file import ROOT, active, compose_schema, gpu_ids, load
 
+from producer.gateway.settings import GatewaySettings
 from worker.acl import placeholders
 from worker.config import Settings
 
 ENV = {"REDIS_PASSWORD": "s3cret", "DASHBOARD_PASSWORD": "dash", "PRODUCER_REDIS_PASSWORD": "pp",
-       "WORKER_REDIS_PASSWORD": "ww", "DASHBOARD_REDIS_PASSWORD": "dd"}
+       "WORKER_REDIS_PASSWORD": "ww", "DASHBOARD_REDIS_PASSWORD": "dd", "GATEWAY_API_KEYS": "k1,k2"}
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
@@ -108,11 +109,11 @@ def test_dockerfile_pins_the_worker_extras_versions() -> None:
 def test_dockerfile_stages() -> None:
     stages = re.split(r"^FROM ", DOCKERFILE, flags=re.M)[1:]
     by_name = {s.split("\n")[0].split(" AS ")[1].strip(): s for s in stages}
-    assert set(by_name) == {"worker", "dashboard"}
+    assert set(by_name) == {"worker", "dashboard", "gateway"}
     assert stages[-1] is by_name["worker"]  # the default target
     assert re.search(r"^ARG CUDA_BASE=nvidia/cuda:[\w.-]+-runtime-", DOCKERFILE, re.M)
     assert by_name["worker"].startswith("${CUDA_BASE}")
-    assert "pip install '.[worker]'" in by_name["worker"]
+    assert "pip install '.[worker,cuda]'" in by_name["worker"]
     for stage in by_name.values():
         users = re.findall(r"^USER (\S+)", stage, re.M)
         assert users and users[-1] not in ("root", "0")
@@ -140,3 +141,24 @@ def test_dashboard_config_needs_only_rq_dashboard() -> None:
     modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {m.split(".")[0] for m in modules} <= {"flask", "rq_dashboard"}
     assert (ROOT / "worker" / "__init__.py").read_text() == ""
+
+
+def test_gateway_on_localhost_with_keys_from_the_environment(monkeypatch) -> None:
+    gateway = load(ENV)["services"]["gateway"]
+    assert gateway["ports"] == ["127.0.0.1:8000:8000"]
+    assert gateway["build"]["target"] == "gateway"
+    for name, value in gateway["environment"].items():
+        monkeypatch.setenv(name, value)
+    settings = GatewaySettings()
+    assert (settings.api_key, settings.host) == (["k1", "k2"], "0.0.0.0")
+    assert settings.redis_url.endswith("@redis:6379/0")
+    stage = DOCKERFILE.split("AS gateway")[1].split("FROM ")[0]
+    assert "pip install '.[gateway]'" in stage and 'ENTRYPOINT ["pagedq-gateway"]' in stage
+
+
+def test_triton_only_where_cuda_is() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert not any(req.startswith("triton") for req in extras["worker"])  # CPU installs
+    assert any(req.startswith("triton") for req in extras["cuda"])
+    assert any(req.startswith("triton") for req in extras["dev"])  # the interpreter tests

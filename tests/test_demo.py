@@ -1,21 +1,39 @@
 """The README's first command (``make run`` runs ``python -m worker.demo``): an embedded Redis,
-a worker on the default model, and the producer's chat jobs streamed and printed."""
+a worker on the default model, and the producer's chat jobs streamed and printed; then a Ctrl-C
+as a terminal sends it (to the whole process group) stops it quietly and leaves no folder."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 
-def test_demo_runs_the_whole_service() -> None:
+def test_demo_runs_the_whole_service_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # its own embedded Redis
-    done = subprocess.run([sys.executable, "-m", "worker.demo", "--exit", "--max-tokens", "8"],
-                          env=env | {"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = done.stdout
+    demo = subprocess.Popen([sys.executable, "-m", "worker.demo", "--max-tokens", "8"],
+                            env=env | {"HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in demo.stdout:
+            lines.append(line)
+            if "Ctrl-C stops" in line:
+                break
+        assert any(tmp_path.glob("pagedq-redis-*")), "the embedded Redis' folder"
+        os.killpg(demo.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        rest, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 0, err[-4000:]
+    out = "".join(lines) + rest
     assert out.count("\n>>> ") == 4  # the first job streamed, then 3 answers (n=2 gives two)
     generated = re.search(r"3 jobs in [0-9.]+ s; engine: (\d+) tokens generated", out)
     assert generated and 4 <= int(generated[1]) <= 4 * 8  # 4 samples of at most 8 tokens
     assert "were held once, shared by its 2 samples" in out
     assert "rq-dashboard --redis-url redis://" in out
+    assert "[error" not in err and "Traceback" not in err, err[-4000:]
+    assert not list(tmp_path.glob("pagedq-redis-*"))  # the embedded Redis cleaned up

@@ -11,7 +11,8 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from producer import AsyncClient, Client, JobFailed, QueueFull, Sampling
+from producer import AsyncClient, Client, InvalidJob, JobFailed, QueueFull, Sampling
+from producer.core import new_job
 from producer.protocol import (
     GROUP,
     MAX_N,
@@ -276,3 +277,17 @@ def test_async_client(redis_url: str, make_fake_worker) -> None:
                 await client.submit_many([{"prompt": str(i)} for i in range(6)])
 
     asyncio.run(scenario())
+
+
+def test_submit_explains_a_bad_job_and_takes_stop_none(redis_url: str) -> None:
+    """Newcomers: a clear error (not pydantic's raw ValidationError) and vLLM's stop=None."""
+    client = Client(redis_url)
+    with pytest.raises(InvalidJob) as bad:
+        client.submit("x", temperature=-1, top_p=0)
+    assert not isinstance(bad.value, ValidationError) and isinstance(bad.value, ValueError)
+    assert str(bad.value).startswith("invalid job: temperature: Input should be greater")
+    assert "; top_p: Input should be greater than 0" in str(bad.value)
+    assert [e["loc"] for e in bad.value.errors] == [("temperature",), ("top_p",)]
+    assert not redis.Redis.from_url(redis_url).exists(queue_key("default"))
+    job = new_job("default", "x", stop=None)
+    assert job.sampling.stop == []

@@ -2,16 +2,21 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
-from producer import Sampling
+from producer import Client, Sampling
 from producer.cli import SAMPLING_OPTIONS, build_parser, main
+from producer.gateway.settings import settings_table
 from producer.protocol import cancel_key, queue_key
+from producer.rq_mirror import register_worker
+from worker.redis_server import free_port
 
 pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
 
@@ -111,20 +116,56 @@ def redis_ids(conn: redis.Redis) -> list[str]:
     return [json.loads(f[b"job"])["id"] for _, f in conn.xrange(queue_key("default"))]
 
 
-def test_batch_refuses_a_bad_line_before_submitting(redis_url: str, tmp_path: Path) -> None:
-    (tmp_path / "in.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "x", "top_p": 7}\n')
-    with pytest.raises(SystemExit, match=r"in.jsonl:2: .*top_p"):
+def test_batch_reports_every_bad_line_before_submitting(redis_url: str, tmp_path: Path) -> None:
+    lines = ['{"prompt": "ok"}', '{"prompt": "x", "top_p": 7}', "[1]", "not json", "",
+             '{"prompt": "y", "sampling": {"tempreature": 1}}',
+             '{"custom_id": "r", "method": "POST", "url": "/v1/embeddings", "body": {}}']
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as refused:
         main(["--redis-url", redis_url, "batch", str(tmp_path / "in.jsonl"), "-o",
               str(tmp_path / "out.jsonl")])
+    message = str(refused.value)
+    for number, what in [(2, "top_p"), (3, "JSON object"), (4, "Expecting value"),
+                         (6, "tempreature"), (7, "url")]:
+        assert re.search(rf"in.jsonl:{number}: .*{what}", message), (number, message)
+    assert "in.jsonl:1:" not in message and "5 bad lines: nothing was submitted" in message
     assert not redis.Redis.from_url(redis_url).exists(queue_key("default"))
+
+
+def test_batch_takes_job_shaped_and_openai_lines(redis_url: str, fake_worker,
+                                                 tmp_path: Path) -> None:
+    job = {"id": "ignored", "v": 1, "prompt": "b", "sampling": {"n": 2, "max_tokens": 2},
+           "priority": 1}
+    openai_line = {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+                   "body": {"model": "any", "max_tokens": 3,
+                            "messages": [{"role": "user", "content": "hi"}]}}
+    (tmp_path / "in.jsonl").write_text(f"{json.dumps(job)}\n{json.dumps(openai_line)}\n")
+    assert main(["--redis-url", redis_url, "batch", str(tmp_path / "in.jsonl"), "-o",
+                 str(tmp_path / "out.jsonl")]) == 0
+    job_out, openai_out = read_output(tmp_path / "out.jsonl")
+    assert [o["text"] for o in job_out["outputs"]] == [" s0t0 s0t1", " s1t0 s1t1"]
+    assert openai_out["custom_id"] == "r1" and openai_out["outputs"][0]["token_ids"] == [0, 1, 2]
+
+
+def test_cancel_refuses_what_it_cannot_cancel(redis_url: str, fake_worker,
+                                              capsys: pytest.CaptureFixture) -> None:
+    conn = redis.Redis.from_url(redis_url)
+    done = Client(redis_url).submit("hi", max_tokens=1)
+    done.result(timeout=10)
+    for job_id, code, why in [("has:colon", 2, "no job id"), ("x" * 129, 2, "no job id"),
+                              ("unknown", 1, "no job unknown"), (done.id, 1, "finished")]:
+        assert main(["--redis-url", redis_url, "cancel", job_id]) == code
+        assert why in capsys.readouterr().err
+    assert not conn.keys("pagedq:cancel:*")  # refusals leave nothing behind
 
 
 def test_cancel_and_status(redis_url: str, make_fake_worker, capsys: pytest.CaptureFixture) -> None:
     make_fake_worker(name="gpu-7")  # registered with the group and RQ, not consuming
-    assert main(["--redis-url", redis_url, "cancel", "job-1"]) == 0
-    assert redis.Redis.from_url(redis_url).ttl(cancel_key("job-1")) > 0
     assert main(["--redis-url", redis_url, "submit", "never answered", "--timeout", "0.2"]) == 1
-    capsys.readouterr()
+    job_id = capsys.readouterr().err.split()[1]
+    assert main(["--redis-url", redis_url, "cancel", job_id]) == 0
+    assert f"cancel requested for {job_id} (queued)" in capsys.readouterr().out
+    assert redis.Redis.from_url(redis_url).ttl(cancel_key(job_id)) > 0
     assert main(["--redis-url", redis_url, "status", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert (stats["length"], stats["lag"], stats["pending"], stats["dead_letters"]) == (1, 1, 0, 0)
@@ -132,3 +173,61 @@ def test_cancel_and_status(redis_url: str, make_fake_worker, capsys: pytest.Capt
     assert main(["--redis-url", redis_url, "status"]) == 0
     text = capsys.readouterr().out
     assert "1 not yet delivered" in text and "worker gpu-7: idle" in text
+
+
+def test_submit_streams_several_samples(redis_url: str, make_fake_worker) -> None:
+    """``--n 2``: sample 0's tokens show while the job runs; the queue and Redis come from the
+    worker's variables."""
+    make_fake_worker(queue="cliq", delay=0.3).start()
+    env = {**os.environ, "PAGEDQ_REDIS_URL": redis_url, "PAGEDQ_QUEUE": "cliq"}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "producer.cli", "submit", "hi", "--n",
+                             "2", "--max-tokens", "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    job_id = proc.stderr.readline().decode().split()[1]
+    seen = b""
+    while b" s0t0" not in seen:
+        seen += os.read(proc.stdout.fileno(), 64)
+    assert Client(redis_url, queue="cliq").job(job_id).status() == "started"  # still running
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert (seen + rest).decode() == ("--- sample 0 ---\n s0t0 s0t1 s0t2\n[length]\n"
+                                      "--- sample 1 ---\n s1t0 s1t1 s1t2\n[length]\n")
+
+
+def test_help_shows_defaults_and_the_environment(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PAGEDQ_REDIS_URL", "redis://elsewhere:6390/1")
+    monkeypatch.setenv("PAGEDQ_QUEUE", "gpu")
+    args = build_parser().parse_args(["status"])
+    assert (args.redis_url, args.queue) == ("redis://elsewhere:6390/1", "gpu")
+    assert "(default: redis://elsewhere:6390/1)" in " ".join(build_parser().format_help().split())
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-tokens MAX_TOKENS default: 16" in text
+    assert "--temperature TEMPERATURE default: 1.0" in text and "(default: 0)" in text
+
+
+def test_an_unreachable_redis_fails_at_once() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="cannot reach Redis at redis://127.0.0.1"):
+        main(["--redis-url", url, "status"])
+    assert time.monotonic() - started < 5  # not the client's retries (13 s before)
+
+
+def test_status_into_a_closed_pipe_exits_quietly(redis_url: str) -> None:
+    conn = redis.Redis.from_url(redis_url)
+    for i in range(1500):  # more lines than a pipe holds
+        register_worker(conn, f"worker-{i:04}", ["default"], ttl=60)
+    done = subprocess.run(["bash", "-c", "set -o pipefail; "
+                           f"{sys.executable} -m producer.cli status | head -1"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PAGEDQ_REDIS_URL": redis_url})
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("queue default: 0 entries")
+
+
+def test_readme_documents_the_defaults() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "`max_tokens` defaults to 16" in readme
+    assert settings_table() in readme  # the gateway's flags and variables

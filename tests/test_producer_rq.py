@@ -131,3 +131,18 @@ def test_rq_dashboard_shows_the_mirror(redis_url: str, make_fake_worker,
             assert http.get(page, follow_redirects=True).status_code == 200, page
     finally:
         web.config.serializer = serializer
+
+
+def test_workers_count_their_successful_and_failed_jobs(redis_url: str,
+                                                        lifecycle: dict[str, str]) -> None:
+    """rq-dashboard's worker columns: the lifecycle's worker finished one job and failed one
+    (a canceled one counts as neither, as in RQ); re-applying an end changes no count."""
+    conn = redis.Redis.from_url(redis_url)
+    from redis_fixtures import mirror
+
+    mirror(conn, "default", lambda t: t.finished(lifecycle["finished"], {}))
+    worker = Worker.find_by_key(rq_mirror.worker_key("gpu-0"), connection=conn)
+    assert (worker.successful_job_count, worker.failed_job_count) == (1, 1)
+    mirror(conn, "default", lambda t: t.finished(lifecycle["started"], {}))
+    worker.refresh()
+    assert worker.successful_job_count == 2

@@ -9,6 +9,7 @@ that rq-dashboard can be opened on the same Redis (Ctrl-C stops), unless ``--exi
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -26,23 +27,10 @@ JOBS = [
 ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--exit", action="store_true", help="stop once the jobs are done")
-    args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    url, keep_alive = os.environ.get("REDIS_URL"), None
-    if not url:
-        url, keep_alive = embedded_redis_url()
-    print(f"redis: {url}\nloading the default model (SmolLM2-135M-Instruct) on the CPU...")
-    worker = Worker(Settings(redis_url=url, queue="demo", device="cpu", dtype="float32",
-                             grace_period=5))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    client = Client(url, queue="demo")
+def run_jobs(worker: Worker, client: Client, max_tokens: int) -> None:
+    """Submits the demo's jobs, streams the first answer, prints the rest and the KV figures."""
     handles = [client.submit(messages=[{"role": "user", "content": question}], n=n,
-                             max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=i)
+                             max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=i)
                for i, (question, n) in enumerate(JOBS)]
     started = time.monotonic()
     print(f"\n>>> {JOBS[0][0]}")
@@ -67,18 +55,39 @@ def main() -> None:
     n = len(shared.outputs)
     print(f"the n={n} job's {prompt}-token prompt: its {prompt // block_size} full blocks of "
           f"{block_size} were held once, shared by its {n} samples")
-    print(f"\nrq-dashboard on this Redis: .venv/bin/rq-dashboard --redis-url {url} --json "
-          "(then open http://127.0.0.1:9181)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--exit", action="store_true", help="stop once the jobs are done")
+    args = parser.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    url, keep_alive = os.environ.get("REDIS_URL"), None
+    if not url:
+        url, keep_alive = embedded_redis_url()
+    worker: Worker | None = None
+    thread = threading.Thread()
     try:
+        print(f"redis: {url}\nloading the default model (SmolLM2-135M-Instruct) on the CPU...")
+        worker = Worker(Settings(redis_url=url, queue="demo", device="cpu", dtype="float32",
+                                 grace_period=5))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        run_jobs(worker, Client(url, queue="demo"), args.max_tokens)
+        print(f"\nrq-dashboard on this Redis: .venv/bin/rq-dashboard --redis-url {url} --json "
+              "(then open http://127.0.0.1:9181); Ctrl-C stops", flush=True)
         while not args.exit:
             time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    worker.stop()
-    worker.stop()  # twice: stop now, nothing is in flight
-    thread.join(timeout=30)
-    if keep_alive is not None and hasattr(keep_alive, "stop"):
-        keep_alive.stop()
+    except KeyboardInterrupt:  # the normal way out: stop quietly, the worker first
+        print("\nstopping", file=sys.stderr)
+    finally:
+        if worker is not None:
+            worker.stop()  # its in-flight jobs get the grace period, while Redis is still up
+            if thread.is_alive():
+                thread.join(timeout=30)
+        if keep_alive is not None and hasattr(keep_alive, "stop"):
+            keep_alive.stop()  # also removes the embedded Redis' folder
 
 
 if __name__ == "__main__":

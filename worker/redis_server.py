@@ -23,12 +23,15 @@ class RedisServer:
     """``start()`` launches it, ``stop()`` kills it; ``restart()`` keeps the port and the data
     directory, so with ``appendonly=True`` the data survives as it would on a real restart.
     ``extra_args`` come last on the command line, so they override the defaults (a compose
-    service's arguments, say)."""
+    service's arguments, say). A data directory it made itself (none given) is removed by
+    ``stop()``. The server runs in a session of its own: a Ctrl-C in the terminal reaches the
+    program, which stops its worker while Redis is still up, and then Redis."""
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None,
                  appendonly: bool = False, password: str | None = None,
                  extra_args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
+        self.owns_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="pagedq-redis-"))
         self.appendonly = appendonly
         self.password = password
@@ -50,9 +53,11 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += self.extra_args
+        self.data_dir.mkdir(parents=True, exist_ok=True)  # stop() may have removed its own
         log = self.data_dir / "redis.log"
         with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -60,20 +65,26 @@ class RedisServer:
                 return self
             except redis.ConnectionError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
+                    self._kill()
                     raise RuntimeError(f"redis-server did not start on port {self.port}:\n"
                                        f"{log.read_text()[-2000:]}") from None
                 time.sleep(0.02)
 
-    def stop(self) -> None:
-        """Kills it, like a crash: only what the append-only file holds survives."""
+    def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
         self.process = None
 
+    def stop(self) -> None:
+        """Kills it, like a crash: only what the append-only file holds survives (the data
+        directory too, unless it made that itself)."""
+        self._kill()
+        if self.owns_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
     def restart(self) -> None:
-        self.stop()
+        self._kill()
         self.start()
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from engine.default_model import DEFAULT_MODEL
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from producer import rq_mirror
@@ -99,8 +100,9 @@ class Worker:
             self.log.info("worker stopped")
 
     def _register(self) -> None:
+        model = self.settings.model or DEFAULT_MODEL  # what the gateway's /v1/models shows
         retry(lambda: rq_mirror.register_worker(self.conn, self.name, [self.consumer.queue],
-                                                WORKER_TTL_S), "register", self._past_grace)
+                                                WORKER_TTL_S, model), "register", self._past_grace)
 
     # -- the loop: one tick runs these phases, in this order (``_PHASES``) --------------------
     def _heartbeat(self, tick: _Tick) -> None:
