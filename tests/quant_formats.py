@@ -1,9 +1,8 @@
-"""GPTQ and AWQ checkpoints written by the tests, following each format's documented layout,
-from a round-to-nearest reference quantizer: gptqmodel 7.7 needs torch>=2.14.1 (the project
-holds 2.13.0) and AutoAWQ is archived (its 0.2.9 sdist targets transformers 4.x), so neither
-tool can make them here. Beside each, the float checkpoint its dequantization gives
+"""GPTQ checkpoints written by the tests in the format's documented layout, from a
+round-to-nearest reference quantizer: gptqmodel 7.7 needs torch>=2.14.1 (the project holds
+2.13.0), so it cannot make them here. Beside each, the float checkpoint its dequantization gives
 (``w = (q - zero) * scale``, applied here, not by pagedq), which transformers runs as the
-reference."""
+reference; ``awq_float_twin`` does the same for AutoAWQ's checkpoints."""
 
 import json
 import shutil
@@ -54,21 +53,11 @@ def gptq_tensors(q, scales, zeros, g_idx, bits) -> dict[str, torch.Tensor]:
             "g_idx": g_idx.to(torch.int32)}
 
 
-def awq_tensors(q, scales, zeros) -> dict[str, torch.Tensor]:
-    """AWQ GEMM: qweight [K, N / 8] and qzeros [G, N / 8] packed along the outputs in
-    AutoAWQ's interleaved order, scales [G, N] fp16; no zero offset."""
-    def interleave(m: torch.Tensor) -> torch.Tensor:  # [rows, N] -> nibble order
-        return m.view(m.shape[0], -1, 8)[..., list(AWQ_PACK_ORDER)].reshape(m.shape[0], -1)
-
-    return {"qweight": _pack(interleave(q.t()), 4), "qzeros": _pack(interleave(zeros.t()), 4),
-            "scales": scales.t().half().contiguous()}
-
-
-def write_quantized(source: Path, out: Path, method: str, bits: int, group: int,
-                    desc_act: bool = False, sym: bool = True) -> tuple[Path, Path]:
+def write_gptq(source: Path, out: Path, bits: int, group: int, desc_act: bool = False,
+               sym: bool = True) -> tuple[Path, Path]:
     """(quantized checkpoint, its dequantized float twin) under ``out``; ``desc_act`` orders
     the groups by a seeded permutation of the input columns, as GPTQ's activation order does."""
-    quant_dir, float_dir = out / f"{method}", out / f"{method}-float"
+    quant_dir, float_dir = out / "gptq", out / "gptq-float"
     state = load_file(str(source / "model.safetensors"))
     quant_state, float_state = {}, {}
     gen = torch.Generator().manual_seed(0)
@@ -88,15 +77,11 @@ def write_quantized(source: Path, out: Path, method: str, bits: int, group: int,
             g_idx = g_idx[perms.setdefault(shared, torch.randperm(k, generator=gen))]
         q, scales, zeros = rtn(tensor.float(), bits, g_idx, groups, sym)
         float_state[name] = (q - zeros[:, g_idx]) * scales[:, g_idx]
-        packed = (gptq_tensors(q, scales, zeros, g_idx, bits) if method == "gptq"
-                  else awq_tensors(q, scales, zeros))
+        packed = gptq_tensors(q, scales, zeros, g_idx, bits)
         quant_state |= {f"{prefix}.{t}": v for t, v in packed.items()}
     config = json.loads((source / "config.json").read_text())
-    quant_config = ({"quant_method": "gptq", "bits": bits, "group_size": group,
-                     "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
-                    if method == "gptq" else
-                    {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                     "version": "gemm"})
+    quant_config = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                    "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
     for folder, tensors, cfg in ((quant_dir, quant_state, config | {
             "quantization_config": quant_config}), (float_dir, float_state, config)):
         shutil.copytree(source, folder, dirs_exist_ok=True)
@@ -104,3 +89,34 @@ def write_quantized(source: Path, out: Path, method: str, bits: int, group: int,
         save_file(tensors, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return quant_dir, float_dir
+
+
+def awq_float_twin(checkpoint: Path, out: Path) -> Path:
+    """The float checkpoint an AWQ GEMM checkpoint's documented dequantization gives: nibble i
+    of a word is column ``AWQ_PACK_ORDER[i]`` of its 8, ``w = (q - zero) * scale`` per group."""
+    state = load_file(str(checkpoint / "model.safetensors"))
+    config = json.loads((checkpoint / "config.json").read_text())
+    group = config.pop("quantization_config")["group_size"]
+
+    def columns(packed: torch.Tensor) -> torch.Tensor:
+        nibbles = (packed.long().unsqueeze(-1) >> (torch.arange(8) * 4)) & 15
+        ordered = torch.empty_like(nibbles)
+        ordered[..., list(AWQ_PACK_ORDER)] = nibbles
+        return ordered.reshape(packed.shape[0], -1)
+
+    floats = {}
+    for name, tensor in state.items():
+        if name.endswith((".qzeros", ".scales")):
+            continue
+        if not name.endswith(".qweight"):
+            floats[name] = tensor
+            continue
+        prefix = name.removesuffix(".qweight")
+        q, zeros = columns(tensor), columns(state[f"{prefix}.qzeros"])
+        scales = state[f"{prefix}.scales"].float()
+        rows = torch.arange(q.shape[0]) // group
+        floats[f"{prefix}.weight"] = ((q - zeros[rows]) * scales[rows]).t().contiguous()
+    shutil.copytree(checkpoint, out, dirs_exist_ok=True)
+    save_file(floats, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
