@@ -54,5 +54,5 @@ class LLM:
         return RequestOutput(request_id, request.prompt_token_ids, outputs,
                              request.seqs[0].num_cached_tokens)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         return self.engine.stats()

@@ -16,6 +16,7 @@ from engine.detokenizer import Detokenizer
 from engine.loader import eos_token_ids, load_config
 from engine.model_runner import ModelRunner, fit_kv_blocks
 from engine.outputs import RequestDelta, SampleDelta
+from engine.quantization import checkpoint_quantization
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -57,6 +58,7 @@ class LLMEngine:
 
             path = default_model_path()
         hf_config = load_config(path)
+        self.quantization = checkpoint_quantization(hf_config, config.quantization)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(config.device if config.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
@@ -85,6 +87,7 @@ class LLMEngine:
         self.kv_utilization_at_peak = 0.0
         self.tokens_generated = 0
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
+                 quantization=self.quantization,
                  kv_blocks=num_blocks, block_size=config.block_size,
                  max_model_len=self.max_model_len)
 
@@ -237,9 +240,10 @@ class LLMEngine:
         held = self._held_slots()
         return sum(held.values()) / (len(held) * self.config.block_size) if held else 0.0
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
         return {
+            "quantization": self.quantization,
             "kv_blocks_total": len(bm.blocks),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_peak": self.kv_blocks_peak,

@@ -23,6 +23,8 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="cpu, cuda, cuda:1...; auto: cuda when available")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="float32, float16, bfloat16; auto: bfloat16 on CUDA, else float32")
+    quantization: Literal["gptq", "awq", "compressed-tensors"] | None = Field(
+        None, description="the checkpoint's weight quantization; unset: read from config.json")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
     max_num_seqs: int = Field(256, ge=1, description="sequences run side by side")
@@ -51,6 +53,7 @@ class Settings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                            quantization=self.quantization,
                             num_kv_blocks=self.num_kv_blocks,
                             kv_cache_memory_gib=self.kv_cache_memory_gib,
                             max_num_seqs=self.max_num_seqs,

@@ -1,6 +1,8 @@
 """Quantized checkpoints: GPTQ, AWQ and compressed-tensors (see ``config`` for what is
 supported), read into layers that compute from packed weights (``linear``)."""
 
+from transformers import PretrainedConfig
+
 from engine.quantization.config import (
     SUPPORTED,
     CompressedTensorsConfig,
@@ -11,7 +13,7 @@ from engine.quantization.config import (
 from engine.quantization.linear import Fp8Linear, IntQuantLinear, quantize_linears
 
 __all__ = ["SUPPORTED", "Fp8Linear", "IntQuantLinear", "QuantConfig", "QuantizationError",
-           "describe", "parse_quant_config", "quantize_linears"]
+           "checkpoint_quantization", "describe", "parse_quant_config", "quantize_linears"]
 
 
 def describe(config: QuantConfig | None) -> str:
@@ -23,3 +25,14 @@ def describe(config: QuantConfig | None) -> str:
     w = next(iter(config.config_groups.values())).weights
     kind = "fp8" if w.type == "float" else f"w{w.num_bits}a16"
     return f"compressed-tensors-{kind}"
+
+
+def checkpoint_quantization(hf_config: PretrainedConfig, requested: str | None) -> str:
+    """The checkpoint's quantization, named by ``describe``; ``requested`` (vLLM's
+    ``--quantization``), when given, must be the checkpoint's method, as vLLM requires."""
+    config = parse_quant_config(getattr(hf_config, "quantization_config", None))
+    method = None if config is None else config.quant_method
+    if requested is not None and requested != method:
+        raise QuantizationError(f"quantization={requested!r} was asked for, but the checkpoint "
+                                f"is {'not quantized' if method is None else repr(method)}")
+    return describe(config)

@@ -127,7 +127,9 @@ def parse_quant_config(raw: Any) -> QuantConfig | None:
     try:
         config = _PARSERS[method].model_validate(raw)
     except ValidationError as e:
-        raise QuantizationError(f"malformed {method} quantization_config: {e}") from None
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                             for err in e.errors())
+        raise QuantizationError(f"malformed {method} quantization_config: {problems}") from None
     if isinstance(config, CompressedTensorsConfig):
         config.check()
     return config
