@@ -50,7 +50,7 @@ CT_CASES = [
     ("tiny_llama", "gptq-w8-gch", "int8pack"),  # W8A16
     ("tiny_qwen2", "gptq-w8-g32-asym", "dequantize"),
     ("tiny_llama", "fp8-dynamic", "scaled_mm"),  # FP8 W8A8, per-token activation scales
-    ("smollm2", "gptq-w4-g64", "int4pack"),
+    ("smollm2", "rtn-w4-g64", "int4pack"),
 ]
 
 

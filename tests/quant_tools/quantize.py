@@ -5,7 +5,9 @@ tests/quant_venv.sh), never in the project's venv: llmcompressor 0.14 pins trans
     .venv-quant/bin/python tests/quant_tools/quantize.py SOURCE OUT RECIPE
 
 Recipes: GPTQ (llm-compressor's GPTQModifier) at 4 or 8 bits, group or channel scales,
-symmetric or not, with activation ordering; FP8_DYNAMIC (no calibration); and AutoAWQ's GEMM
+symmetric or not, with activation ordering; ``rtn-...`` the same scheme rounded to nearest by
+its QuantizationModifier (no calibration: SmolLM2's GPTQ pass takes ~7 min on 2 busy cores,
+this seconds); FP8_DYNAMIC (no calibration); and AutoAWQ's GEMM
 format (``autoawq-w4-g128``; llm-compressor's own AWQModifier wants an accelerator).
 Calibration text: the Python documentation's topics shipped with CPython
 (``pydoc_data.topics``), real English prose, so the run needs nothing from a hub.
@@ -36,11 +38,14 @@ def _weights(bits: int, group: int, symmetric: bool, actorder: str | None) -> di
 
 
 def _recipe(name: str):
-    """``gptq-w{bits}-g{group|ch}[-asym][-act]`` or ``fp8-dynamic``."""
+    """``{gptq|rtn}-w{bits}-g{group|ch}[-asym][-act]`` or ``fp8-dynamic``."""
     if name == "fp8-dynamic":
         return QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
-    _, bits, group, *flags = name.split("-")
+    method, bits, group, *flags = name.split("-")
     bits, group = int(bits[1:]), -1 if group == "gch" else int(group[1:])
+    if method == "rtn":
+        return QuantizationModifier(config_groups=_weights(bits, group, "asym" not in flags,
+                                                           None), ignore=["lm_head"])
     return GPTQModifier(config_groups=_weights(bits, group, "asym" not in flags,
                                                "weight" if "act" in flags else None),
                         ignore=["lm_head"])
@@ -78,7 +83,7 @@ def main(source: str, out: str, recipe: str) -> None:
         return
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    kwargs = {} if recipe == "fp8-dynamic" else {
+    kwargs = {} if recipe.startswith(("fp8", "rtn")) else {
         "dataset": _calibration(tokenizer), "num_calibration_samples": SAMPLES,
         "max_seq_length": SEQ_LEN}
     oneshot(model=model, recipe=_recipe(recipe), **kwargs)
