@@ -27,12 +27,10 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return F.linear(x, dequantize_int(qweight, scales, zeros, g_idx, x.dtype), bias)
 
 
-def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    """FP8 weights ``[N, K]`` with per-channel ``weight_scale`` ``[N]``; activations unquantized
-    (what transformers computes for a compressed-tensors FP8 checkpoint on the CPU)."""
-    w = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)
-    return F.linear(x, w, bias)
+def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 codes ``[N, K]`` times their per-channel ``weight_scale`` ``[N]``, in float32."""
+    return (weight.float() * weight_scale.float()[:, None]).to(dtype)
 
 
 def quantize_fp8(x: torch.Tensor,
@@ -47,10 +45,18 @@ def quantize_fp8(x: torch.Tensor,
     return codes, scale
 
 
+def fp8_activation_linear(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` through FP8 (``quantize_fp8`` and back) times a float ``weight``: FP8 W8A8 with the
+    weight dequantized beforehand, as compressed-tensors computes it in transformers."""
+    codes, scale = quantize_fp8(x, input_scale)
+    return F.linear((codes.float() * scale).to(x.dtype), weight.to(x.dtype), bias)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 FP8: activations quantized as ``quantize_fp8`` does, both operands dequantized,
     the product in float32."""
-    codes, scale = quantize_fp8(x, input_scale)
-    out = (codes.float() * scale) @ (weight.float() * weight_scale.float()[:, None]).t()
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    out = fp8_activation_linear(x.float(), dequantize_fp8(weight, weight_scale), input_scale,
+                                None if bias is None else bias.float())
+    return out.to(x.dtype)

@@ -1,5 +1,6 @@
 """pagedq's greedy tokens equal transformers' on the same quantized checkpoint, token for
-token, in float32 on the CPU.
+token, in float32 on the CPU (where pagedq dequantizes at load, as transformers does: see
+engine/quantization/linear.py), and with torch's int4/int8 kernels in bfloat16.
 
 compressed-tensors (llm-compressor's GPTQ W4A16/W8A16 recipes, FP8_DYNAMIC): against
 transformers loading the checkpoint itself, in .venv-quant (tests/quant_fixtures.py). AWQ
@@ -11,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.quantization import Fp8Linear, IntQuantLinear
@@ -43,52 +45,79 @@ def tiny_llama128(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    hidden_size=128, intermediate_size=256, num_heads=4)
 
 
-# (source fixture, llm-compressor recipe, the layout pagedq computes with)
+# (source fixture, llm-compressor recipe)
 CT_CASES = [
-    ("tiny_llama", "gptq-w4-g32-act", "int4pack"),  # W4A16 group, activation-ordered GPTQ
-    ("tiny_qwen2", "gptq-w4-gch-asym", "int4pack"),  # channel scales, zero points, qkv bias
-    ("tiny_llama", "gptq-w8-gch", "int8pack"),  # W8A16
-    ("tiny_qwen2", "gptq-w8-g32-asym", "dequantize"),
-    ("tiny_llama", "fp8-dynamic", "scaled_mm"),  # FP8 W8A8, per-token activation scales
-    ("smollm2", "rtn-w4-g64", "int4pack"),
+    ("tiny_llama", "gptq-w4-g32-act"),  # W4A16 group, activation-ordered GPTQ
+    ("tiny_qwen2", "gptq-w4-gch-asym"),  # channel scales, zero points, qkv bias
+    ("tiny_llama", "gptq-w8-gch"),  # W8A16
+    ("tiny_qwen2", "gptq-w8-g32-asym"),
+    ("tiny_llama", "fp8-dynamic"),  # FP8 W8A8, per-token activation scales
+    ("smollm2", "rtn-w4-g64"),
 ]
 
 
-@pytest.mark.parametrize("source,recipe,layout", CT_CASES,
-                         ids=[f"{s}-{r}" for s, r, _ in CT_CASES])
-def test_compressed_tensors_matches_transformers(source: str, recipe: str, layout: str,
+@pytest.mark.parametrize("source,recipe", CT_CASES, ids=[f"{s}-{r}" for s, r in CT_CASES])
+def test_compressed_tensors_matches_transformers(source: str, recipe: str,
                                                  request: pytest.FixtureRequest,
                                                  make_llm) -> None:
     checkpoint = quantized(request.getfixturevalue(source), recipe)
     prompts = _prompts(1000, recipe)
     expected = hf_quantized_greedy(checkpoint, prompts, MAX_NEW)
     got, layouts = _run(make_llm, checkpoint, prompts)
-    assert layouts == {layout}
+    assert layouts == {"dense"}
     assert got == expected
 
 
-# (source, bits, group, desc_act, sym, layout)
+# (source, bits, group, desc_act, sym)
 GPTQ_CASES = [
-    ("tiny_llama", 4, 32, True, True, "int4pack"),  # desc_act: g_idx permuted
-    ("tiny_llama128", 4, 128, False, True, "int4pack"),
-    ("tiny_mistral", 4, 64, True, False, "int4pack"),
-    ("tiny_qwen2", 8, -1, False, True, "int8pack"),
-    ("tiny_llama", 8, 32, False, False, "dequantize"),
+    ("tiny_llama", 4, 32, True, True),  # desc_act: g_idx permuted
+    ("tiny_llama128", 4, 128, False, True),
+    ("tiny_mistral", 4, 64, True, False),
+    ("tiny_qwen2", 8, -1, False, True),
+    ("tiny_llama", 8, 32, False, False),
 ]
+GPTQ_IDS = [f"{c[0]}-w{c[1]}-g{c[2]}{'-act' * c[3]}{'-asym' * (not c[4])}" for c in GPTQ_CASES]
 
 
-@pytest.mark.parametrize("source,bits,group,desc_act,sym,layout", GPTQ_CASES,
-                         ids=[f"{c[0]}-w{c[1]}-g{c[2]}{'-act' * c[3]}{'-asym' * (not c[4])}"
-                              for c in GPTQ_CASES])
+@pytest.mark.parametrize("source,bits,group,desc_act,sym", GPTQ_CASES, ids=GPTQ_IDS)
 def test_gptq_matches_dequantized_float(source: str, bits: int, group: int, desc_act: bool,
-                                        sym: bool, layout: str, request: pytest.FixtureRequest,
+                                        sym: bool, request: pytest.FixtureRequest,
                                         tmp_path: Path, make_llm) -> None:
     checkpoint, twin = write_gptq(request.getfixturevalue(source), tmp_path, bits, group,
                                   desc_act, sym)
     prompts = _prompts(1000, "gptq")
     got, layouts = _run(make_llm, checkpoint, prompts)
-    assert layouts == {layout}
+    assert layouts == {"dense"}
     assert got == [hf_greedy(twin, p, MAX_NEW) for p in prompts]
+
+
+def _quant_layers(llm) -> list:
+    return [m for m in llm.engine.model_runner.model.modules()
+            if isinstance(m, IntQuantLinear | Fp8Linear)]
+
+
+@pytest.mark.parametrize("source,bits,group,desc_act,sym,layout", [
+    (*c, layout) for c, layout in zip(GPTQ_CASES, ["int4pack", "int4pack", "int4pack",
+                                                  "int8pack", "dense"], strict=True)],
+    ids=GPTQ_IDS)
+def test_bfloat16_kernels_match_float32_layers(source: str, bits: int, group: int,
+                                               desc_act: bool, sym: bool, layout: str,
+                                               request: pytest.FixtureRequest, tmp_path: Path,
+                                               make_llm) -> None:
+    """Every layer of the model loaded in bfloat16 (torch's int4/int8 kernels, repacked from
+    the fused checkpoint parts) computes what the float32 model's dequantized layer computes,
+    within bfloat16's precision. Greedy tokens are not compared: a bfloat16 model's drift
+    from float32 changes random models' continuations whatever the weights."""
+    checkpoint, _ = write_gptq(request.getfixturevalue(source), tmp_path, bits, group,
+                               desc_act, sym)
+    fast, ref = _quant_layers(make_llm(checkpoint, dtype="bfloat16")), _quant_layers(
+        make_llm(checkpoint))
+    assert {m.layout for m in fast} == {layout} and len(fast) == len(ref) > 0
+    for f, r in zip(fast, ref, strict=True):
+        x = torch.randn(7, f.in_features, generator=torch.Generator().manual_seed(0))
+        want = r(x)
+        got = f(x.bfloat16()).float()
+        assert (got - want).norm() / want.norm() < 1e-2, f
 
 
 def test_autoawq_matches_dequantized_float(tiny_llama128: Path, tmp_path: Path,
@@ -97,5 +126,5 @@ def test_autoawq_matches_dequantized_float(tiny_llama128: Path, tmp_path: Path,
     twin = awq_float_twin(checkpoint, tmp_path / "awq-float")
     prompts = _prompts(1000, "autoawq")
     got, layouts = _run(make_llm, checkpoint, prompts)
-    assert layouts == {"int4pack"}
+    assert layouts == {"dense"}
     assert got == [hf_greedy(twin, p, MAX_NEW) for p in prompts]
