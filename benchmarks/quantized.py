@@ -2,9 +2,10 @@
 
 A ~0.4B random Llama (hidden 1536, 16 layers, MLP 4096) quantized by llm-compressor in
 .venv-quant (tests/quant_fixtures.py; round-to-nearest W4A16 group 128 and W8A16 channel,
-FP8_DYNAMIC), each loaded by pagedq beside the float32 original; peers alternate within each
-round, the best round counts. Greedy agreement: the share of generated tokens equal to
-float32's, position by position (quantization changes the model; this says how much).
+FP8_DYNAMIC), each loaded by pagedq in bfloat16 (where torch's int kernels run; in float32
+pagedq dequantizes at load, see engine/quantization/linear.py) beside the float original in
+float32 and bfloat16; peers alternate within each round, the best round counts. Greedy
+agreement: the share of generated tokens equal to float32's, position by position.
 
     .venv/bin/python benchmarks/quantized.py [--batch 4] [--new 32] [--rounds 2]
 """
@@ -35,12 +36,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.quantization import Fp8Linear, IntQuantLinear  # noqa: E402
 from engine.random_model import build_random_checkpoint  # noqa: E402
 from tests.quant_fixtures import quantized  # noqa: E402
 
 SHAPE = {"hidden_size": 1536, "num_layers": 16, "num_heads": 12, "num_kv_heads": 4,
          "intermediate_size": 4096, "init_std": 0.02}
-RECIPES = {"W4A16 g128": "rtn-w4-g128", "W8A16 channel": "rtn-w8-gch", "FP8 W8A8": "fp8-dynamic"}
+RECIPES = {"W4A16 g128 bf16": "rtn-w4-g128", "W8A16 channel bf16": "rtn-w8-gch",
+           "FP8 W8A8 bf16": "fp8-dynamic"}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -68,8 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     threads = set_threads(args.threads)
     source = build_random_checkpoint(OUT_DIR / "random-llama-0.4b", "llama", **SHAPE)
-    paths = {"float32": source} | {k: quantized(source, r) for k, r in RECIPES.items()}
-    llms = {name: LLM(str(path), dtype="float32", device="cpu") for name, path in paths.items()}
+    peers = {"float32": (source, "float32"), "bfloat16": (source, "bfloat16")} | {
+        k: (quantized(source, r), "bfloat16") for k, r in RECIPES.items()}
+    llms = {name: LLM(str(path), dtype=dtype, device="cpu", num_kv_blocks=64)
+            for name, (path, dtype) in peers.items()}
     rng = np.random.default_rng(0)
     ids = usable_token_ids(source)
     prompts = [random_prompt(rng, ids, args.prompt_len) for _ in range(args.batch)]
@@ -86,11 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, llm in llms.items():
         nbytes = weight_bytes(llm.engine.model_runner.model)
-        rows.append([name, llm.stats()["quantization"], f"{nbytes / 2**20:.0f}",
+        layouts = {m.layout for m in llm.engine.model_runner.model.modules()
+                   if isinstance(m, IntQuantLinear | Fp8Linear)} or {"-"}
+        rows.append([name, llm.stats()["quantization"], ",".join(sorted(layouts)),
+                     f"{nbytes / 2**20:.0f}",
                      f"{nbytes / fp32_bytes:.2f}", f"{best[name]:.1f}",
                      f"{best[name] / best['float32']:.2f}",
                      f"{(np.array(tokens[name]) == ref).mean():.2f}"])
-    print(format_table(["weights", "quantization", "MiB", "x fp32", "tok/s", "x fp32",
+    print(format_table(["weights", "quantization", "layout", "MiB", "x fp32", "tok/s", "x fp32",
                         "greedy = fp32"], rows))
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.new} new tokens, {threads} "
           f"threads, best of {args.rounds} rounds, load average {load_average():.2f}")
