@@ -45,16 +45,17 @@ def _pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def gptq_tensors(q, scales, zeros, g_idx, bits) -> dict[str, torch.Tensor]:
-    """GPTQ (v1): qweight packed along the inputs [K / pack, N], qzeros stored minus one and
-    packed along the outputs [G, N / pack], scales [G, N] fp16, g_idx [K] int32."""
+def gptq_tensors(q, scales, zeros, g_idx, bits, v1: bool) -> dict[str, torch.Tensor]:
+    """GPTQ: qweight packed along the inputs [K / pack, N], qzeros packed along the outputs
+    [G, N / pack] (v1, AutoGPTQ's, stores them minus one; gptq_v2 as they are), scales [G, N]
+    fp16, g_idx [K] int32."""
     return {"qweight": _pack(q, bits).t().contiguous(),
-            "qzeros": _pack(zeros.t() - 1, bits), "scales": scales.t().half().contiguous(),
+            "qzeros": _pack(zeros.t() - int(v1), bits), "scales": scales.t().half().contiguous(),
             "g_idx": g_idx.to(torch.int32)}
 
 
 def write_gptq(source: Path, out: Path, bits: int, group: int, desc_act: bool = False,
-               sym: bool = True) -> tuple[Path, Path]:
+               sym: bool = True, checkpoint_format: str = "gptq") -> tuple[Path, Path]:
     """(quantized checkpoint, its dequantized float twin) under ``out``; ``desc_act`` orders
     the groups by a seeded permutation of the input columns, as GPTQ's activation order does."""
     quant_dir, float_dir = out / "gptq", out / "gptq-float"
@@ -77,11 +78,11 @@ def write_gptq(source: Path, out: Path, bits: int, group: int, desc_act: bool = 
             g_idx = g_idx[perms.setdefault(shared, torch.randperm(k, generator=gen))]
         q, scales, zeros = rtn(tensor.float(), bits, g_idx, groups, sym)
         float_state[name] = (q - zeros[:, g_idx]) * scales[:, g_idx]
-        packed = gptq_tensors(q, scales, zeros, g_idx, bits)
+        packed = gptq_tensors(q, scales, zeros, g_idx, bits, checkpoint_format == "gptq")
         quant_state |= {f"{prefix}.{t}": v for t, v in packed.items()}
     config = json.loads((source / "config.json").read_text())
     quant_config = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                    "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
+                    "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format}
     for folder, tensors, cfg in ((quant_dir, quant_state, config | {
             "quantization_config": quant_config}), (float_dir, float_state, config)):
         shutil.copytree(source, folder, dirs_exist_ok=True)

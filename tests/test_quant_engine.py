@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import SamplingParams
-from engine.quantization import QuantizationError
+from engine.quantization import QuantizationError, describe, parse_quant_config
 from tests.conftest import hf_greedy
 from tests.quant_formats import write_gptq
 
@@ -121,3 +121,11 @@ def test_misshapen_scales_named(gptq, tmp_path, make_llm) -> None:
     scales = torch.ones(3, 64, dtype=torch.float16)
     with pytest.raises(QuantizationError, match=rf"{Q}.scales: shape \(3, 64\)"):
         make_llm(_edit(gptq[0], tmp_path, repack={f"{Q}.scales": scales}))
+
+
+def test_describe_names_the_scheme() -> None:
+    assert describe(parse_quant_config(None)) == "none"
+    assert describe(parse_quant_config(GPTQ_CONFIG)) == "gptq-w4-g32"
+    kv_only = {"quant_method": "compressed-tensors", "config_groups": {},
+               "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+    assert describe(parse_quant_config(kv_only)) == "compressed-tensors"

@@ -68,23 +68,24 @@ def test_compressed_tensors_matches_transformers(source: str, recipe: str,
     assert got == expected
 
 
-# (source, bits, group, desc_act, sym)
+# (source, bits, group, desc_act, sym, checkpoint_format)
 GPTQ_CASES = [
-    ("tiny_llama", 4, 32, True, True),  # desc_act: g_idx permuted
-    ("tiny_llama128", 4, 128, False, True),
-    ("tiny_mistral", 4, 64, True, False),
-    ("tiny_qwen2", 8, -1, False, True),
-    ("tiny_llama", 8, 32, False, False),
+    ("tiny_llama", 4, 32, True, True, "gptq"),  # desc_act: g_idx permuted
+    ("tiny_llama128", 4, 128, False, True, "gptq"),
+    ("tiny_mistral", 4, 64, True, False, "gptq_v2"),  # zero points stored as they are
+    ("tiny_qwen2", 8, -1, False, True, "gptq"),
+    ("tiny_llama", 8, 32, False, False, "gptq"),
 ]
-GPTQ_IDS = [f"{c[0]}-w{c[1]}-g{c[2]}{'-act' * c[3]}{'-asym' * (not c[4])}" for c in GPTQ_CASES]
+GPTQ_IDS = [f"{c[0]}-w{c[1]}-g{c[2]}{'-act' * c[3]}{'-asym' * (not c[4])}-{c[5]}"
+            for c in GPTQ_CASES]
 
 
-@pytest.mark.parametrize("source,bits,group,desc_act,sym", GPTQ_CASES, ids=GPTQ_IDS)
+@pytest.mark.parametrize("source,bits,group,desc_act,sym,fmt", GPTQ_CASES, ids=GPTQ_IDS)
 def test_gptq_matches_dequantized_float(source: str, bits: int, group: int, desc_act: bool,
-                                        sym: bool, request: pytest.FixtureRequest,
+                                        sym: bool, fmt: str, request: pytest.FixtureRequest,
                                         tmp_path: Path, make_llm) -> None:
     checkpoint, twin = write_gptq(request.getfixturevalue(source), tmp_path, bits, group,
-                                  desc_act, sym)
+                                  desc_act, sym, fmt)
     prompts = _prompts(1000, "gptq")
     got, layouts = _run(make_llm, checkpoint, prompts)
     assert layouts == {"dense"}
@@ -96,12 +97,12 @@ def _quant_layers(llm) -> list:
             if isinstance(m, IntQuantLinear | Fp8Linear)]
 
 
-@pytest.mark.parametrize("source,bits,group,desc_act,sym,layout", [
+@pytest.mark.parametrize("source,bits,group,desc_act,sym,fmt,layout", [
     (*c, layout) for c, layout in zip(GPTQ_CASES, ["int4pack", "int4pack", "int4pack",
                                                   "int8pack", "dense"], strict=True)],
     ids=GPTQ_IDS)
 def test_bfloat16_kernels_match_float32_layers(source: str, bits: int, group: int,
-                                               desc_act: bool, sym: bool, layout: str,
+                                               desc_act: bool, sym: bool, fmt: str, layout: str,
                                                request: pytest.FixtureRequest, tmp_path: Path,
                                                make_llm) -> None:
     """Every layer of the model loaded in bfloat16 (torch's int4/int8 kernels, repacked from
@@ -109,7 +110,7 @@ def test_bfloat16_kernels_match_float32_layers(source: str, bits: int, group: in
     within bfloat16's precision. Greedy tokens are not compared: a bfloat16 model's drift
     from float32 changes random models' continuations whatever the weights."""
     checkpoint, _ = write_gptq(request.getfixturevalue(source), tmp_path, bits, group,
-                               desc_act, sym)
+                               desc_act, sym, fmt)
     fast, ref = _quant_layers(make_llm(checkpoint, dtype="bfloat16")), _quant_layers(
         make_llm(checkpoint))
     assert {m.layout for m in fast} == {layout} and len(fast) == len(ref) > 0

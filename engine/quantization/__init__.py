@@ -22,9 +22,9 @@ def describe(config: QuantConfig | None) -> str:
         return "none"
     if not isinstance(config, CompressedTensorsConfig):
         return f"{config.quant_method}-w{config.bits}-g{config.group_size}"
-    w = next(iter(config.config_groups.values())).weights
-    kind = "fp8" if w.type == "float" else f"w{w.num_bits}a16"
-    return f"compressed-tensors-{kind}"
+    kinds = sorted({"fp8" if s.weights.type == "float" else f"w{s.weights.num_bits}a16"
+                    for s in config.config_groups.values()})
+    return "-".join(["compressed-tensors", *kinds])  # no groups: KV-cache scales only
 
 
 def checkpoint_quantization(hf_config: PretrainedConfig, requested: str | None) -> str:
