@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install run test bench
+.PHONY: install run test bench quant-venv
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -20,8 +20,12 @@ install: $(PY)
 run: install
 	$(PY) -m worker.demo
 
-test: install
+test: install quant-venv
 	$(PY) -m pytest -q
+
+# the quantizers the tests run (llm-compressor, AutoAWQ) in their own venv: see the script
+quant-venv:
+	bash tests/quant_venv.sh
 
 bench: install
 	$(PY) benchmarks/throughput.py

@@ -10,6 +10,8 @@ class EngineConfig(BaseModel):
 
     model: str | None = None  # a Hugging Face folder; None: the default SmolLM2-135M-Instruct
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: fp32 CPU, bf16 CUDA
+    # vLLM's --quantization: None reads it from the checkpoint; a name must match the checkpoint
+    quantization: Literal["gptq", "awq", "compressed-tensors"] | None = None
     device: str = "auto"  # auto: cuda when available
     block_size: int = Field(16, ge=1, le=256)
     num_kv_blocks: int | None = Field(None, ge=1)  # None: sized from the memory budget

@@ -16,6 +16,7 @@ from engine.detokenizer import Detokenizer
 from engine.loader import eos_token_ids, load_config
 from engine.model_runner import ModelRunner, fit_kv_blocks
 from engine.outputs import RequestDelta, SampleDelta
+from engine.quantization import checkpoint_quantization
 from engine.request import Limits, Request, Resume, check_beam, prompt_ids
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -36,6 +37,7 @@ class LLMEngine:
 
             path = default_model_path()
         hf_config = load_config(path)
+        self.quantization = checkpoint_quantization(hf_config, config.quantization)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(config.device if config.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
@@ -68,6 +70,7 @@ class LLMEngine:
         self.kv_utilization_at_peak = 0.0
         self.tokens_generated = 0
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
+                 quantization=self.quantization,
                  kv_blocks=num_blocks, block_size=config.block_size,
                  max_model_len=self.max_model_len)
 
@@ -224,6 +227,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
         return {
+            "quantization": self.quantization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "kv_bytes_per_token": self.model_runner.kv_bytes_per_token,  # K and V, all layers
             "kv_blocks_total": len(bm.blocks),

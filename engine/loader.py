@@ -10,6 +10,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrai
 
 from engine.cpu_linear import can_pack, pack_linears
 from engine.models import MODEL_REGISTRY
+from engine.quantization import parse_quant_config, quantize_linears
 
 
 def load_config(path: Path) -> PretrainedConfig:
@@ -70,6 +71,9 @@ def load_model(path: Path, config: PretrainedConfig, max_positions: int, dtype: 
     with torch.device("meta"):
         model = MODEL_REGISTRY[config.architectures[0]](config, max_positions)
     checkpoint = _read_safetensors(path)
+    quant = parse_quant_config(getattr(config, "quantization_config", None))
+    if quant is not None:  # quantized layers take (pop) their tensors first
+        quantize_linears(model, quant, checkpoint, dtype, device)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():  # tied parameters are named once
         parts = next(((fused, sources) for fused, sources in model.packed_modules.items()

@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="float32, float16, bfloat16; auto: bfloat16 on CUDA, else float32")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    quantization: Literal["gptq", "awq", "compressed-tensors"] | None = Field(
+        None, description="the checkpoint's weight quantization; unset: read from config.json")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
     gpu_memory_utilization: float = Field(

@@ -200,6 +200,12 @@ class _Snapshot(Collector):
             if queue is not None:
                 family.add_metric([self.metrics.queue], queue[key])
             yield family
+        quant = GaugeMetricFamily("pagedq_weight_quantization",
+                                  "1, labelled with the model's weight quantization",
+                                  labels=["quantization"])
+        if "quantization" in stats:
+            quant.add_metric([stats["quantization"]], 1)
+        yield quant
         up = GaugeMetricFamily("pagedq_redis_up", "1 when Redis answered this scrape")
         up.add_metric([], int(queue is not None))
         yield up
