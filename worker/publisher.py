@@ -14,9 +14,9 @@ Each job's events are appended by a Lua script only if the job's result stream s
 exactly as many events as this worker last saw (a fence): of two workers that both think they
 own a job (one stalled past the reclaim time) only one continues its stream; the other learns
 it was superseded. The RQ transitions go first in the transaction, fenced on the same length
-(``Transitions``), so a superseded worker writes no RQ state either. A write re-sent after a lost reply counts as done when the
-stream already holds it (its length then is the expected one plus the write's events), so it
-lands once.
+(``Transitions``), so a superseded worker writes no RQ state either. A write re-sent after a
+lost reply counts as done when the stream already holds it (its length then is the expected one
+plus the write's events), so it lands once.
 
 Retention: a job's entry is acknowledged and deleted (``XACK`` + ``XDEL``) by the same script
 that writes its last event, so the job stream holds only unread and pending jobs. Deleting the
