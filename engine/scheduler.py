@@ -31,6 +31,16 @@ class SchedulerOutput:
         self.num_new_tokens.append(num_new_tokens)
 
 
+@dataclass
+class Room:
+    """``Scheduler.room()``: free sequence slots, KV blocks and prefill tokens (each may be
+    negative: over-committed)."""
+
+    seqs: int
+    blocks: int
+    tokens: int
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
@@ -106,3 +116,21 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def room(self, steps: int = 1) -> Room:
+        """What could still start within the next ``steps`` steps, after the sequences held: a
+        service that feeds the engine (worker/intake.py) reads only that much new work and
+        leaves the rest to its peers. Counts sequence slots (a waiting prompt counts its n
+        samples), KV blocks (free and evictable ones, less the prompt blocks of the waiting
+        sequences and one block per running sequence per ``block_size`` steps of growth) and
+        prefill tokens (the budget of ``steps`` steps, less one decode token per running
+        sequence and step, less the waiting prompts). O(running + waiting)."""
+        bs = self.block_manager.block_size
+        held = sum(1 + s.pending_forks for s in (*self.running, *self.waiting))
+        waiting_tokens = sum(len(s) - s.num_computed_tokens for s in self.waiting)
+        waiting_blocks = sum(-(-len(s) // bs) for s in self.waiting)
+        growth = -(-len(self.running) * steps // bs)
+        return Room(seqs=self.max_num_seqs - held,
+                    blocks=self.block_manager.num_free_blocks - waiting_blocks - growth,
+                    tokens=steps * (self.max_num_batched_tokens - len(self.running))
+                    - waiting_tokens)
