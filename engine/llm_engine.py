@@ -20,7 +20,7 @@ from engine.quantization import checkpoint_quantization
 from engine.request import Limits, Request, Resume, check_beam, prompt_ids
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
-from engine.scheduler import Room, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 log = structlog.get_logger()
@@ -244,21 +244,3 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
-
-    # -- for a service that feeds the engine (worker/): public, self-contained ------------------
-    def room(self, steps: int = 1) -> Room:
-        """What the scheduler could still start within the next ``steps`` steps, after the
-        sequences it holds (``Scheduler.room``): a service reads only that much new work, and
-        leaves the rest to its peers."""
-        return self.scheduler.room(steps)
-
-    def held_back_text(self, params: SamplingParams, token_ids: list[int],
-                       emitted_chars: int) -> str:
-        """The text of a sample's ``token_ids`` beyond its first ``emitted_chars`` characters
-        that its detokenizer would hand out on finishing: what it held back (an incomplete
-        character, a possible stop string). Rebuilt token by token as a resumed sample's is:
-        exact, O(tokens), ~10 us a token."""
-        detokenizer = Detokenizer(self.tokenizer, params)
-        detokenizer.resume(token_ids, emitted_chars)
-        return detokenizer.pop_delta(finished=True)
-

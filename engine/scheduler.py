@@ -51,13 +51,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def room(self, steps: int) -> Room:
-        """What could still start within the next ``steps`` steps, after the sequences held.
-        Counts sequence slots (a waiting sequence counts its samples or beams), KV blocks (free
-        and evictable ones, less the prompt blocks of the waiting sequences and one block per
-        running sequence per ``block_size`` steps of growth) and prefill tokens (the token
-        budget of ``steps`` steps, less one decode token per running sequence and step, less
-        the waiting prompts). O(running + waiting)."""
+    def room(self, steps: int = 1) -> Room:
+        """What could still start within the next ``steps`` steps, after the sequences held: a
+        service that feeds the engine (worker/intake.py) reads only that much new work and
+        leaves the rest to its peers. Counts sequence slots (a waiting sequence counts its
+        samples or beams), KV blocks (free and evictable ones, less the prompt blocks of the
+        waiting sequences and one block per running sequence per ``block_size`` steps of
+        growth) and prefill tokens (the token budget of ``steps`` steps, less one decode token
+        per running sequence and step, less the waiting prompts). O(running + waiting)."""
         bs = self.block_manager.block_size
         held = sum(1 + s.pending_forks for s in self.running) + sum(
             s.num_slots for s in self.waiting)

@@ -101,7 +101,8 @@ class Client:
         retry = Retry(ExponentialBackoff(cap=backoff_cap, base=backoff_base), retries)
         pool = redis.BlockingConnectionPool.from_url(
             redis_url, max_connections=max_connections, timeout=pool_timeout,
-            decode_responses=True, retry=retry)
+            decode_responses=True, retry=retry,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError])  # redis-py < 6 needs it
         self.redis = redis.Redis(connection_pool=pool)
         self.mux = Mux(self.redis, backoff_base)
 

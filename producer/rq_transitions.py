@@ -146,9 +146,9 @@ class Transitions:
     def add_to(self, pipe: Any, queue: str, fences: dict[str, int] | None = None) -> None:
         """Adds the script call that applies every transition to a pipeline (nothing if none).
         One timestamp for all: they happen in the same round trip. ``fences``: per job, the
-        length its result stream has once the events sent before this call are written; a
-        transition of such a job, or one given a fence of its own, is applied only if the
-        stream has that length (else another worker wrote it: it owns the job now)."""
+        length its result stream must have; a transition of such a job, or one given a fence
+        of its own, is applied only if the stream has that length (else another worker wrote
+        it: it owns the job now)."""
         if not self.jobs:
             return
         fences = fences or {}

@@ -19,12 +19,12 @@ from engine.outputs import RequestOutput
 from producer import Client, Job
 from producer.core import decode_entries, new_job
 from producer.protocol import Chunk, Done, End, Error, Event, cancel_key, results_key
-from producer.rq_mirror import worker_key
+from producer.rq_mirror import job_key, worker_key
 from worker.config import Settings, parse_args
 from worker.connection import connect
 from worker.driver import prompt_token_ids
 from worker.job_params import engine_params
-from worker.publisher import Batch, Publisher
+from worker.publisher import CLOSE_WAIT_S, Batch, Publisher
 from worker.service import Worker
 
 pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
@@ -196,17 +196,34 @@ def test_publisher_fence_applies_a_resent_write_once(redis_url, monkeypatch) -> 
 
     monkeypatch.setattr(Publisher, "_execute", lose_first_reply)
     batch = Batch()
+    batch.mirror.started("j", "w1", fence=0)
     for seq in range(2):
         batch.event("j", seq, Chunk(sample=0, seq=seq, text="x", token_ids=[seq]))
     publisher.send(batch, [])
     assert not publisher.collect().superseded  # applied, then re-sent: a no-op
     assert lost and [e.seq for e in events_of(publisher.conn, "j")] == [0, 1]
+    assert publisher.conn.hget(job_key("j"), "status") == "started"
     stale = Batch()  # a stalled worker that missed a peer's write
     stale.event("j", 1, Chunk(sample=0, seq=1, text="y", token_ids=[9]))
+    stale.mirror.finished("j", {"outputs": []})  # fenced as its events: not applied either
     publisher.send(stale, [])
     assert publisher.collect().superseded == {"j"}
     assert [e.seq for e in events_of(publisher.conn, "j")] == [0, 1]
+    assert publisher.conn.hget(job_key("j"), "status") == "started"
     assert publisher.conn.ttl(results_key("j")) > 0
+    publisher.close()
+
+
+def test_close_does_not_wait_for_a_redis_that_is_down(redis_server) -> None:
+    """As when the loop raised: nothing tells the publisher to give up, yet close() returns."""
+    publisher = Publisher(connect(redis_server.url), QUEUE, 60, give_up=lambda: False)
+    redis_server.stop()
+    batch = Batch()
+    batch.event("j", 0, Chunk(sample=0, seq=0, text="x", token_ids=[1]))
+    publisher.send(batch, [])
+    start = time.monotonic()
+    publisher.close()
+    assert time.monotonic() - start < CLOSE_WAIT_S + 1
 
 
 def test_flags_override_the_environment(monkeypatch) -> None:

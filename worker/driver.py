@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 from transformers import PreTrainedTokenizerBase
 
+from engine.detokenizer import held_back_text
 from engine.llm_engine import LLMEngine, Resume
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling_params import SamplingParams
@@ -83,7 +84,8 @@ class _Running:
     def held_back(self, i: int, engine: LLMEngine) -> str:
         """The text of sample ``i``'s published tokens not published yet: what its detokenizer
         held back then (paid only by a cancel that lands while its job is stepped)."""
-        return engine.held_back_text(self.params, self.token_ids[i], sum(map(len, self.texts[i])))
+        return held_back_text(engine.tokenizer, self.params, self.token_ids[i],
+                              sum(map(len, self.texts[i])))
 
 
 class Driver:

@@ -51,7 +51,7 @@ class Intake:
 
     def count(self, unadmitted: int) -> int:
         """Jobs to read now, ``unadmitted`` being those read and not handed to the engine."""
-        room = self.engine.room(LOOKAHEAD_STEPS)
+        room = self.engine.scheduler.room(LOOKAHEAD_STEPS)
         recent = self.recent or [self.seed]
         seqs = max(n.seqs for n in recent)
         blocks = max(n.blocks for n in recent)

@@ -13,10 +13,10 @@ replies are looked up by name (``_Sent.slots``), never by position.
 Each job's events are appended by a Lua script only if the job's result stream still holds
 exactly as many events as this worker last saw (a fence): of two workers that both think they
 own a job (one stalled past the reclaim time) only one continues its stream; the other learns
-it was superseded. The RQ transitions carry the same fence (``Transitions``), so a superseded
-worker writes no RQ state either. A write re-sent after a lost reply counts as done when the
-stream already holds it (its length then is the expected one plus the write's events), so it
-lands once.
+it was superseded. The RQ transitions go first in the transaction, fenced on the same length
+(``Transitions``), so a superseded worker writes no RQ state either. A write re-sent after a
+lost reply counts as done when the stream already holds it (its length then is the expected one
+plus the write's events), so it lands once.
 
 Retention: a job's entry is acknowledged and deleted (``XACK`` + ``XDEL``) by the same script
 that writes its last event, so the job stream holds only unread and pending jobs. Deleting the
@@ -85,17 +85,13 @@ class _Append:
     events: list[str] = field(default_factory=list)
     ack: str = ""  # the job's stream entry, acknowledged after the events
 
-    @property
-    def end(self) -> int:
-        return self.start + len(self.events)
-
 
 @dataclass
 class Batch:
     """What one round trip writes; built by the driver, sent by the publisher."""
 
     appends: dict[str, _Append] = field(default_factory=dict)
-    mirror: Transitions = field(default_factory=Transitions)  # RQ transitions, after the events
+    mirror: Transitions = field(default_factory=Transitions)  # RQ transitions, fenced
     calls: list[Callable[[Pipeline], object]] = field(default_factory=list)
 
     def event(self, job_id: str, start: int, event: Chunk | Done | End | Error,
@@ -210,6 +206,10 @@ class Publisher:
         batch, slots = sent.batch, sent.slots
         slots.clear()
         with self.conn.pipeline(transaction=True) as pipe:
+            # The RQ transitions first, fenced on each stream's length before the events: in
+            # one transaction, it is the length the append script's own fence requires.
+            batch.mirror.add_to(pipe, self.queue,
+                                {job_id: a.start for job_id, a in batch.appends.items()})
             if batch.appends:
                 args: list[str | int] = [GROUP, self.result_ttl, int(resent)]
                 for append in batch.appends.values():
@@ -217,8 +217,6 @@ class Publisher:
                 slots["append"] = len(pipe)
                 pipe.eval(_APPEND, 1 + len(batch.appends), queue_key(self.queue),
                           *map(results_key, batch.appends), *args)
-            batch.mirror.add_to(pipe, self.queue,
-                                {job_id: a.end for job_id, a in batch.appends.items()})
             for add in batch.calls:
                 add(pipe)
             if sent.watch:
