@@ -148,3 +148,22 @@ def test_describe_names_the_scheme() -> None:
     kv_only = {"quant_method": "compressed-tensors", "config_groups": {},
                "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
     assert describe(parse_quant_config(kv_only)) == "compressed-tensors"
+
+
+def test_quantization_setting_must_match(gptq, tiny_llama, make_llm) -> None:
+    """vLLM's --quantization: optional, and refused when the checkpoint is not so quantized."""
+    assert make_llm(gptq[0], quantization="gptq").stats()["quantization"] == "gptq-w4-g32"
+    with pytest.raises(QuantizationError, match="'awq' was asked for, but the checkpoint is "
+                                                "'gptq'"):
+        make_llm(gptq[0], quantization="awq")
+    with pytest.raises(QuantizationError, match="checkpoint is not quantized"):
+        make_llm(tiny_llama, quantization="compressed-tensors")
+
+
+def test_worker_flag_reaches_the_engine() -> None:
+    from worker.config import parse_args
+
+    assert parse_args(["--quantization", "awq"]).engine_config().quantization == "awq"
+    assert parse_args([]).engine_config().quantization is None
+    with pytest.raises(ValueError, match="quantization"):
+        parse_args(["--quantization", "squeezellm"])
