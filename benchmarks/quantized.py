@@ -48,16 +48,20 @@ RECIPES = {"W4A16 g128 bf16": "rtn-w4-g128", "W8A16 channel bf16": "rtn-w8-gch",
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every tensor the model's layers hold (parameters, buffers, and the packed
-    layouts they keep as plain attributes), each storage counted once."""
+    layouts they keep as plain attributes), each storage counted once (oneDNN's packed
+    weights, opaque, by their own size)."""
     seen: dict[int, int] = {}
     for module in model.modules():
         values = [*module._parameters.values(), *module._buffers.values(),
                   *vars(module).values()]
         for value in values:
             for t in value if isinstance(value, tuple) else (value,):
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    seen[storage.data_ptr()] = storage.nbytes()
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if t.is_mkldnn:
+                    seen[id(t)] = t.numel() * t.element_size()
+                else:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

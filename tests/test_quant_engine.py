@@ -1,5 +1,6 @@
-"""The whole engine on a quantized model (GPTQ 4-bit, activation order, on the CPU int4
-kernel): preemption, prefix caching and n seeded samples, the pool whole after each (make_llm);
+"""The whole engine on a quantized model (GPTQ 4-bit, activation order; float32, and bfloat16
+on the CPU int4 kernel): preemption, prefix caching and n seeded samples, the pool whole after
+each (make_llm);
 and bad checkpoints refused at load with an error naming the tensor or setting."""
 
 import json
@@ -11,7 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import SamplingParams
-from engine.quantization import QuantizationError, describe, parse_quant_config
+from engine.quantization import (
+    IntQuantLinear,
+    QuantizationError,
+    describe,
+    parse_quant_config,
+)
 from tests.conftest import hf_greedy
 from tests.quant_formats import write_gptq
 
@@ -57,6 +63,19 @@ def test_seeded_samples_survive_preemption(gptq, make_llm) -> None:
 
     assert ids(squeezed) == ids(roomy)
     assert len({tuple(t) for t in ids(roomy)[0]}) > 1  # the samples differ from each other
+
+
+def test_int4_kernel_under_preemption(gptq, make_llm) -> None:
+    """bfloat16 runs torch's int4 kernel on every batch shape the scheduler makes, preempted
+    sequences recomputed included. (Its tokens are not compared with a roomy run: bfloat16
+    results depend on the batch's shape, so seeded samples drift apart whatever the weights.)"""
+    llm = make_llm(gptq[0], dtype="bfloat16", num_kv_blocks=7, block_size=8)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=MAX_NEW, seed=7, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7, 8] * 5, [9, 10, 11] * 7], params, use_tqdm=False)
+    assert llm.stats()["preemptions"] > 0
+    assert [[len(s.token_ids) for s in o.outputs] for o in outs] == [[MAX_NEW] * 3] * 2
+    assert {m.layout for m in llm.engine.model_runner.model.modules()
+            if isinstance(m, IntQuantLinear)} == {"int4pack"}
 
 
 def _edit(gptq_dir: Path, tmp_path: Path, config: dict | None = None,
@@ -129,3 +148,22 @@ def test_describe_names_the_scheme() -> None:
     kv_only = {"quant_method": "compressed-tensors", "config_groups": {},
                "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
     assert describe(parse_quant_config(kv_only)) == "compressed-tensors"
+
+
+def test_quantization_setting_must_match(gptq, tiny_llama, make_llm) -> None:
+    """vLLM's --quantization: optional, and refused when the checkpoint is not so quantized."""
+    assert make_llm(gptq[0], quantization="gptq").stats()["quantization"] == "gptq-w4-g32"
+    with pytest.raises(QuantizationError, match="'awq' was asked for, but the checkpoint is "
+                                                "'gptq'"):
+        make_llm(gptq[0], quantization="awq")
+    with pytest.raises(QuantizationError, match="checkpoint is not quantized"):
+        make_llm(tiny_llama, quantization="compressed-tensors")
+
+
+def test_worker_flag_reaches_the_engine() -> None:
+    from worker.config import parse_args
+
+    assert parse_args(["--quantization", "awq"]).engine_config().quantization == "awq"
+    assert parse_args([]).engine_config().quantization is None
+    with pytest.raises(ValueError, match="quantization"):
+        parse_args(["--quantization", "squeezellm"])

@@ -10,10 +10,13 @@ and ``torch._scaled_mm`` on FP8 ~15 ms. Hence:
 - ``int4pack`` / ``int8pack``: on the CPU in bfloat16/float16, torch's int4 kernel
   (``kernels.quant_ops.Int4Packed``, when the groups fit its sizes) and int8 kernel (symmetric,
   channel scales): a quarter / half of the bfloat16 weight memory;
-- ``dense``: on the CPU otherwise (float32, the reference dtype, or no kernel fits), the weight
-  dequantized once at load, as transformers does: float speed and float memory. FP8 keeps its
-  activation quantization (per token, or the static scale), so it computes what
-  compressed-tensors computes in transformers;
+- float32 on the CPU (the reference dtype): int weights are dequantized once at load, as
+  transformers does, into the model's plain linear layers (which ``engine.cpu_linear`` then
+  prepacks): the float model's speed, memory and arithmetic;
+- ``dense``: a weight dequantized once at load kept in a quantized layer: FP8 on the CPU in any
+  dtype (its activations are still quantized per token, or by the static scale, as
+  compressed-tensors computes in transformers), and int weights in bfloat16 whose groups fit no
+  kernel;
 - ``scaled_mm``: FP8 on CUDA sm89+, ``torch._scaled_mm`` with FP8 activations (vLLM's W8A8);
 - ``dequantize``: int weights on CUDA, kept quantized and dequantized at each call
   (``kernels.quant_reference``): no GPU int4 kernel is wired in yet (none could be run here).
@@ -118,31 +121,35 @@ def _concat(parts: list[IntWeight | Fp8Weight], name: str) -> IntWeight | Fp8Wei
 
 
 def quantize_linears(model: nn.Module, config: QuantConfig, checkpoint: dict[str, torch.Tensor],
-                     dtype: torch.dtype, device: torch.device) -> int:
+                     dtype: torch.dtype, device: torch.device) -> None:
     """Swaps every ``nn.Linear`` the checkpoint holds quantized for a quantized layer, popping
-    its tensors (and bias) from ``checkpoint``; returns how many were swapped."""
+    its tensors (and bias) from ``checkpoint``. Int weights computed in float32 on the CPU go
+    back into ``checkpoint`` as float weights instead: the layer stays an ``nn.Linear``."""
     packed = getattr(model, "packed_modules", {})
-    swapped = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            sources = [f"{parent_name}.{s}" for s in packed.get(child_name, (child_name,))]
+            name = f"{parent_name}.{child_name}".lstrip(".")
+            sources = [f"{parent_name}.{s}".lstrip(".")
+                       for s in packed.get(child_name, (child_name,))]
             parts = [read_linear(config, checkpoint, s, child.in_features) for s in sources]
             if all(p is None for p in parts):
                 continue
             if any(p is None for p in parts):
                 raise QuantizationError(f"{name}: the checkpoint quantizes only some of "
                                         f"{sources}")
-            biases = [checkpoint.pop(f"{s}.bias") for s in sources if f"{s}.bias" in checkpoint]
-            bias = torch.cat(biases) if biases else None
             weight = _concat(parts, name)
             n = (weight.qweight if isinstance(weight, IntWeight) else weight.weight).shape[0]
             if n != child.out_features:
                 raise QuantizationError(f"{name}: {n} output features in the checkpoint, the "
                                         f"model expects {child.out_features}")
+            if isinstance(weight, IntWeight) and device.type == "cpu" and dtype == torch.float32:
+                for source, part in zip(sources, parts, strict=True):
+                    checkpoint[f"{source}.weight"] = quant_reference.dequantize_int(
+                        part.qweight, part.scales, part.zeros, part.g_idx)
+                continue
+            biases = [checkpoint.pop(f"{s}.bias") for s in sources if f"{s}.bias" in checkpoint]
+            bias = torch.cat(biases) if biases else None
             cls = Fp8Linear if isinstance(weight, Fp8Weight) else IntQuantLinear
             setattr(parent, child_name, cls(weight, bias, dtype, device))
-            swapped += 1
-    return swapped
