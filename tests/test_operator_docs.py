@@ -34,7 +34,7 @@ def test_metrics_table_lists_every_metric(redis_url: str) -> None:
     section = README.split("### Metrics", 1)[1].split("###", 1)[0]
     documented = set(re.findall(r"^\| `(pagedq_\w+)", section, re.M))
     assert documented == exposed
-    assert len(exposed) == 16
+    assert len(exposed) == 17
 
 
 def test_no_leftover_promise() -> None:
