@@ -128,8 +128,9 @@ def run_hf(path: Path, prompts: list[list[int]], eos: list[int],
 
 
 def run_vllm(path: Path, prompts: list[list[int]],
-             args: argparse.Namespace) -> tuple[dict[str, Any], list[Beams]]:
-    """vLLM in its venv (benchmarks/beam_vllm.py), set up as its CPU build wants."""
+             args: argparse.Namespace) -> tuple[dict[str, Any], list[Beams]] | None:
+    """vLLM in its venv (benchmarks/beam_vllm.py), set up as its CPU build wants; None when it
+    failed."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     preload = [str(p) for p in (Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                                 args.vllm_venv / "lib" / "libiomp5.so") if p.exists()]
@@ -141,8 +142,11 @@ def run_vllm(path: Path, prompts: list[list[int]],
         spec.write_text(json.dumps({"model": str(path), "prompts": prompts, "width": args.width,
                                     "max_tokens": args.max_tokens, "threads": args.threads}))
         child = Path(__file__).with_name("beam_vllm.py")
-        subprocess.run([str(args.vllm_venv / "bin" / "python"), str(child), str(spec), str(out)],
-                       env=env, check=True)
+        done = subprocess.run([str(args.vllm_venv / "bin" / "python"), str(child), str(spec),
+                               str(out)], env=env, check=False)
+        if done.returncode != 0:  # the other systems' figures still count
+            common.log(f"vllm failed (exit {done.returncode}); see its log above")
+            return None
         result = json.loads(out.read_text())
     beams = [[(tokens[len(p):], cum) for tokens, cum in request]
              for p, request in zip(prompts, result.pop("beams"), strict=True)]
@@ -160,14 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         ours, beams["pagedq"], eos = run_pagedq(path, prompts, args)
         rows.append(ours)
+        common.log(f"pagedq: {ours['seconds']:.1f}s")
         runs = [] if args.skip_hf else [("transformers", partial(run_hf, path, prompts, eos, args))]
         runs += [("vllm", partial(run_vllm, path, prompts, args))] if args.vllm_venv else []
-        for name, run in [("pagedq", None), *runs]:
+        for name, run in runs:
             gc.collect()
-            if run is not None:
-                result, beams[name] = run()
-                rows.append(result)
-            common.log(f"{name}: {rows[-1]['seconds']:.1f}s")
+            done = run()
+            if done is not None:
+                rows.append(done[0])
+                beams[name] = done[1]
+                common.log(f"{name}: {done[0]['seconds']:.1f}s")
     agree = {f"{a} vs {b}": [same_beams(x, y) for x, y in zip(beams[a], beams[b], strict=True)]
              for a, b in (("pagedq", "transformers"), ("vllm", "transformers"),
                           ("pagedq", "vllm")) if a in beams and b in beams}
