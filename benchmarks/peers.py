@@ -12,7 +12,8 @@ alike. Systems:
 - ``vllm``: vLLM's CPU build in .venv-vllm (benchmarks/vllm_peer.sh builds it), through
   benchmarks/vllm_child.py, with what its CPU docs advise: tcmalloc and Intel's OpenMP
   preloaded, ``VLLM_CPU_OMP_THREADS_BIND`` on our threads' cores (its default keeps a core
-  for its scheduler), ``VLLM_CPU_KVCACHE_SPACE=4`` (pagedq's default KV budget, GiB).
+  for its scheduler), ``VLLM_CPU_KVCACHE_SPACE=4`` (pagedq's default KV budget, GiB), and
+  its own OpenMP wait policy (pagedq's processes keep benchmarks/common.py's PASSIVE).
 
     python benchmarks/peers.py SYSTEM SPEC.json RESULT.json   (the child; peers.run does it)
 """
@@ -30,7 +31,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 if __name__ == "__main__":  # as a child: keep benchmarks/queue.py from shadowing queue
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-from common import format_table, log  # noqa: E402
+from common import OUT_DIR, format_table, log, write_json  # noqa: E402
 from proctree import cpu_seconds, peak_rss_mb  # noqa: E402
 
 ROOT = _HERE.parent
@@ -106,6 +107,19 @@ def alternate(systems: list[str], spec: dict[str, Any], rounds: int) -> list[dic
         for system in systems:
             results.append(run(system, spec) | {"round": r, "load": os.getloadavg()[0]})
     return results
+
+
+def compare(title: str, systems: list[str], spec: dict[str, Any], rounds: int,
+            out_name: str, args: dict[str, Any]) -> None:
+    """Alternates ``systems`` (pagedq first) on ``spec``, prints the table and writes
+    benchmarks/out/<out_name>.json; vLLM is left out, with the reason, where it cannot run."""
+    if "vllm" in systems and (why := vllm_missing()):
+        print(f"vllm left out: {why}")
+        systems = [s for s in systems if s != "vllm"]
+    rows = report(f"{title}, {spec['threads']} threads, {rounds} rounds",
+                  alternate(systems, spec, rounds))
+    write_json(OUT_DIR / f"{out_name}.json", {"args": args, "threads": spec["threads"],
+                                              "rows": rows})
 
 
 def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[int, str]:

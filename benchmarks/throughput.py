@@ -349,9 +349,7 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
 
     systems = ["pagedq"]
     for peer in args.peers:
-        if peer == "vllm" and (why := peers.vllm_missing()):
-            print(f"vllm left out: {why}")
-        elif peer == "hf-static":
+        if peer == "hf-static":
             systems += [f"hf-static B={b}" for b in args.batch_sizes]
         elif peer == "hf-cb":
             systems += [f"hf-cb {t}:{r}" for t, r in args.cb_limits]
@@ -362,12 +360,9 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True,
                            max_num_seqs=PAGEDQ_MAX_NUM_SEQS,
                            max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
-    rows = peers.report(f"throughput: model={name}, {len(wl.prompts)} requests, "
-                        f"{wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, cpu "
-                        f"float32, {threads} threads, {args.rounds} rounds",
-                        peers.alternate(systems, spec, args.rounds))
-    write_json(OUT_DIR / f"throughput-peers-{name}.json", {
-        "model": name, "args": vars(args), "threads": threads, "rows": rows})
+    peers.compare(f"throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} "
+                  f"prompt + {wl.output_tokens} output tokens, cpu float32", systems, spec,
+                  args.rounds, f"throughput-peers-{name}", vars(args))
 
 
 def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
