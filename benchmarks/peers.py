@@ -8,7 +8,7 @@ alike. Systems:
 
 - ``pagedq``: ``LLM.generate`` (this file run as a script in the project's venv), with
   tcmalloc preloaded as vLLM has it (the transformers peers too);
-- ``hf-static B=b`` / ``hf-cb T:R``: benchmarks/throughput.py's transformers runs (greedy);
+- ``hf-static B=b`` / ``hf-cb T:R``: benchmarks/hf_runs.py (greedy);
 - ``vllm``: vLLM's CPU build in .venv-vllm (benchmarks/vllm_peer.sh builds it), through
   benchmarks/vllm_child.py, with what its CPU docs advise: tcmalloc and Intel's OpenMP
   preloaded, ``VLLM_CPU_OMP_THREADS_BIND`` on our threads' cores (its default keeps a core
@@ -203,23 +203,24 @@ def _clock(wall: float = 0.0, cpu: float = 0.0) -> tuple[float, float]:
 
 
 def _run_hf(system: str, spec: dict[str, Any]) -> dict[str, Any]:
-    import throughput
+    import argparse
+
+    import hf_runs
+    from common import Workload
 
     if any(r["n"] != 1 or r["temperature"] != 0 for r in spec["requests"]):
         raise ValueError(f"{system}: the transformers peers run greedy n=1 requests only")
-    torch_threads = throughput.set_threads(spec["threads"])
-    assert torch_threads == spec["threads"]
-    wl = throughput.Workload([r["prompt"] for r in spec["requests"]],
-                             [r["max_tokens"] for r in spec["requests"]])
-    args = throughput.parse_args(["--device", "cpu", "--dtype", "float32"])
-    model = throughput.load_hf(Path(spec["model"]), args)
-    throughput.static_batch(model, wl.prompts[:2], 4)  # warm-up
+    wl = Workload([r["prompt"] for r in spec["requests"]],
+                  [r["max_tokens"] for r in spec["requests"]])
+    model = hf_runs.load_hf(Path(spec["model"]), argparse.Namespace(device="cpu",
+                                                                    dtype="float32"))
+    hf_runs.static_batch(model, wl.prompts[:2], 4)  # warm-up
     kind, _, size = system.partition(" ")
     if kind == "hf-static":
-        result, tokens = throughput.run_hf_static(model, wl, int(size.removeprefix("B=")))
+        result, tokens = hf_runs.run_hf_static(model, wl, int(size.removeprefix("B=")))
     else:
         limits = tuple(map(int, size.split(":")))
-        result, tokens = throughput.run_hf_cb(model, wl, (limits[0], limits[1]))
+        result, tokens = hf_runs.run_hf_cb(model, wl, (limits[0], limits[1]))
     return {"seconds": result.seconds, "cpu_seconds": result.cpu_seconds,
             "peak_rss_mb": peak_rss_mb(), "tokens": [[t] for t in tokens], "extra": {}}
 
