@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -136,3 +137,43 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"git": git_revision()} | data, indent=2) + "\n")
     log(f"wrote {path}")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+
+@dataclass
+class Result:
+    system: str
+    seconds: float
+    cpu_seconds: float
+    output_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    load: float = field(default_factory=load_average)  # at the end of the run
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def tok_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_seconds
+
+
+def check_lengths(system: str, tokens: list[list[int]], expected: list[int]) -> None:
+    bad = [(i, len(t), n) for i, (t, n) in enumerate(zip(tokens, expected, strict=True))
+           if len(t) != n]
+    if bad:
+        raise RuntimeError(f"{system}: requests (index, generated, expected) {bad[:5]} did not "
+                           f"generate their output length")

@@ -8,11 +8,12 @@ alike. Systems:
 
 - ``pagedq``: ``LLM.generate`` (this file run as a script in the project's venv), with
   tcmalloc preloaded as vLLM has it (the transformers peers too);
-- ``hf-static B=b`` / ``hf-cb T:R``: benchmarks/throughput.py's transformers runs (greedy);
+- ``hf-static B=b`` / ``hf-cb T:R``: benchmarks/hf_runs.py (greedy);
 - ``vllm``: vLLM's CPU build in .venv-vllm (benchmarks/vllm_peer.sh builds it), through
   benchmarks/vllm_child.py, with what its CPU docs advise: tcmalloc and Intel's OpenMP
   preloaded, ``VLLM_CPU_OMP_THREADS_BIND`` on our threads' cores (its default keeps a core
-  for its scheduler), ``VLLM_CPU_KVCACHE_SPACE=4`` (pagedq's default KV budget, GiB).
+  for its scheduler), ``VLLM_CPU_KVCACHE_SPACE=4`` (pagedq's default KV budget, GiB), and
+  its own OpenMP wait policy (pagedq's processes keep benchmarks/common.py's PASSIVE).
 
     python benchmarks/peers.py SYSTEM SPEC.json RESULT.json   (the child; peers.run does it)
 """
@@ -30,7 +31,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 if __name__ == "__main__":  # as a child: keep benchmarks/queue.py from shadowing queue
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-from common import format_table, log  # noqa: E402
+from common import OUT_DIR, format_table, log, write_json  # noqa: E402
 from proctree import cpu_seconds, peak_rss_mb  # noqa: E402
 
 ROOT = _HERE.parent
@@ -106,6 +107,19 @@ def alternate(systems: list[str], spec: dict[str, Any], rounds: int) -> list[dic
         for system in systems:
             results.append(run(system, spec) | {"round": r, "load": os.getloadavg()[0]})
     return results
+
+
+def compare(title: str, systems: list[str], spec: dict[str, Any], rounds: int,
+            out_name: str, args: dict[str, Any]) -> None:
+    """Alternates ``systems`` (pagedq first) on ``spec``, prints the table and writes
+    benchmarks/out/<out_name>.json; vLLM is left out, with the reason, where it cannot run."""
+    if "vllm" in systems and (why := vllm_missing()):
+        print(f"vllm left out: {why}")
+        systems = [s for s in systems if s != "vllm"]
+    rows = report(f"{title}, {spec['threads']} threads, {rounds} rounds",
+                  alternate(systems, spec, rounds))
+    write_json(OUT_DIR / f"{out_name}.json", {"args": args, "threads": spec["threads"],
+                                              "rows": rows})
 
 
 def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[int, str]:
@@ -189,23 +203,24 @@ def _clock(wall: float = 0.0, cpu: float = 0.0) -> tuple[float, float]:
 
 
 def _run_hf(system: str, spec: dict[str, Any]) -> dict[str, Any]:
-    import throughput
+    import argparse
+
+    import hf_runs
+    from common import Workload
 
     if any(r["n"] != 1 or r["temperature"] != 0 for r in spec["requests"]):
         raise ValueError(f"{system}: the transformers peers run greedy n=1 requests only")
-    torch_threads = throughput.set_threads(spec["threads"])
-    assert torch_threads == spec["threads"]
-    wl = throughput.Workload([r["prompt"] for r in spec["requests"]],
-                             [r["max_tokens"] for r in spec["requests"]])
-    args = throughput.parse_args(["--device", "cpu", "--dtype", "float32"])
-    model = throughput.load_hf(Path(spec["model"]), args)
-    throughput.static_batch(model, wl.prompts[:2], 4)  # warm-up
+    wl = Workload([r["prompt"] for r in spec["requests"]],
+                  [r["max_tokens"] for r in spec["requests"]])
+    model = hf_runs.load_hf(Path(spec["model"]), argparse.Namespace(device="cpu",
+                                                                    dtype="float32"))
+    hf_runs.static_batch(model, wl.prompts[:2], 4)  # warm-up
     kind, _, size = system.partition(" ")
     if kind == "hf-static":
-        result, tokens = throughput.run_hf_static(model, wl, int(size.removeprefix("B=")))
+        result, tokens = hf_runs.run_hf_static(model, wl, int(size.removeprefix("B=")))
     else:
         limits = tuple(map(int, size.split(":")))
-        result, tokens = throughput.run_hf_cb(model, wl, (limits[0], limits[1]))
+        result, tokens = hf_runs.run_hf_cb(model, wl, (limits[0], limits[1]))
     return {"seconds": result.seconds, "cpu_seconds": result.cpu_seconds,
             "peak_rss_mb": peak_rss_mb(), "tokens": [[t] for t in tokens], "extra": {}}
 

@@ -135,19 +135,14 @@ def report(name: str, rows: list[Row], args: argparse.Namespace, threads: int) -
 def bench_peers(path: Path, prompt: list[int], args: argparse.Namespace, threads: int) -> None:
     import peers
 
-    if why := peers.vllm_missing():
-        print(f"vllm left out: {why}")
-        return
     request = {"prompt": prompt, "n": args.n, "temperature": args.temperature,
                "seed": args.seed, "max_tokens": args.max_tokens}
     spec = peers.make_spec(path, [request], threads=threads, block_size=16,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True)
-    rows = peers.report(f"sharing: model={args.model}, n={args.n} on a {args.prompt_len}-token "
-                        f"prompt, {args.max_tokens} tokens each, temperature {args.temperature}, "
-                        f"{threads} threads, {args.rounds} rounds",
-                        peers.alternate(["pagedq", "vllm"], spec, args.rounds))
-    write_json(OUT_DIR / f"sharing-peers-{args.model}.json", {
-        "model": args.model, "args": vars(args), "threads": threads, "rows": rows})
+    peers.compare(f"sharing: model={args.model}, n={args.n} on a {args.prompt_len}-token "
+                  f"prompt, {args.max_tokens} tokens each, temperature {args.temperature}",
+                  ["pagedq", "vllm"], spec, args.rounds, f"sharing-peers-{args.model}",
+                  vars(args))
 
 
 def main(argv: list[str] | None = None) -> None:

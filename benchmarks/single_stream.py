@@ -31,18 +31,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 # benchmarks/queue.py would shadow the standard library's queue (redis-py imports it).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
-    MODELS,
-    OUT_DIR,
-    format_table,
-    load_average,
-    log,
-    model_path,
-    random_prompt,
-    set_threads,
-    usable_token_ids,
-    write_json,
-)
+import common  # noqa: E402  (first: it sets the environment torch reads at import)
 
 # isort: split
 import numpy as np  # noqa: E402
@@ -53,7 +42,7 @@ NUM_KV_BLOCKS = 1024  # 16-token blocks: room for the longest prompt and its out
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=MODELS, default="smollm2")
+    p.add_argument("--model", choices=common.MODELS, default="smollm2")
     p.add_argument("--prompt-lens", default="128,512,2048")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
@@ -125,7 +114,7 @@ def via_queue(client: Any, prompt: list[int], max_tokens: int
 
 
 def start_worker(url: str, path: Path, threads: int) -> subprocess.Popen:
-    log_file = open(OUT_DIR / "single-stream-worker.log", "w")  # noqa: SIM115 (the child's)
+    log_file = open(common.OUT_DIR / "single-stream-worker.log", "w")  # noqa: SIM115 (the child's)
     return subprocess.Popen(
         [sys.executable, "-m", "worker", "--redis-url", url, "--queue", "single",
          "--model", str(path), "--device", "cpu", "--dtype", "float32",
@@ -135,15 +124,15 @@ def start_worker(url: str, path: Path, threads: int) -> subprocess.Popen:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    threads = set_threads(args.threads)
-    path = model_path(args.model)
+    threads = common.set_threads(args.threads)
+    path = common.model_path(args.model)
     from engine import LLM
     from producer import Client
     from worker.redis_server import RedisServer
 
     rng = np.random.default_rng(0)
-    ids = usable_token_ids(path)
-    prompts = {n: random_prompt(rng, ids, n) for n in args.prompt_lens}
+    ids = common.usable_token_ids(path)
+    prompts = {n: common.random_prompt(rng, ids, n) for n in args.prompt_lens}
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
     bandwidth, weights = read_bandwidth_gb_s(), step_bytes(llm)
     floor = bandwidth * 1e9 / weights
@@ -162,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                 tokens = {}
                 for way, run in ways:
                     result, tokens[way] = run(prompt)
-                    rows.append(result | {"way": way, "round": r, "load": load_average()})
-                    log(f"{way} {n}: {result['decode_tok_s']:.1f} tok/s")
+                    rows.append(result | {"way": way, "round": r, "load": common.load_average()})
+                    common.log(f"{way} {n}: {result['decode_tok_s']:.1f} tok/s")
                 rows[-1]["same_tokens"] = len(set(map(tuple, tokens.values()))) == 1
     finally:
         if worker is not None:
@@ -180,7 +169,7 @@ def report(args: argparse.Namespace, threads: int, rows: list[dict[str, Any]],
           f"float32, {threads} threads ==")
     print(f"floor: {weights / 1e9:.3f} GB read per step at {bandwidth:.1f} GB/s -> at most "
           f"{floor:.1f} tok/s")
-    print(format_table(
+    print(common.format_table(
         ["way", "round", "prompt", "TTFT ms", "decode tok/s", "of floor", "same tokens", "load"],
         [[r["way"], r["round"], r["prompt_len"], r["ttft_ms"], r["decode_tok_s"],
           r["decode_tok_s"] / floor, r.get("same_tokens"), r["load"]] for r in rows]))
@@ -190,7 +179,7 @@ def report(args: argparse.Namespace, threads: int, rows: list[dict[str, Any]],
         if mine["queue"]:
             print(f"prompt {n}: queue / LLM decode tok/s = "
                   f"{sum(mine['queue']) / sum(mine['LLM']):.2f}")
-    write_json(OUT_DIR / f"single-stream-{args.model}.json", {
+    common.write_json(common.OUT_DIR / f"single-stream-{args.model}.json", {
         "model": args.model, "args": vars(args), "threads": threads, "bandwidth_gb_s": bandwidth,
         "step_bytes": weights, "floor_tok_s": floor, "rows": rows})
 

@@ -21,10 +21,9 @@ early and greedy tokens stay comparable with pagedq's ``ignore_eos`` (masking eo
 ``min_new_tokens`` alone would change the argmax wherever eos wins). Prints a table to stdout
 and writes benchmarks/out/throughput-<model>.json.
 
-With ``--peers vllm,hf-static,hf-cb`` every system instead runs the identical requests in a
-process of its own, alternating with pagedq over ``--rounds`` (benchmarks/peers.py: vLLM's
-CPU build is one peer), and the table adds peak RSS and greedy agreement on every request;
-writes benchmarks/out/throughput-peers-<model>.json.
+With ``--peers vllm,hf-static,hf-cb`` each system runs the same requests in its own process,
+alternating with pagedq over ``--rounds`` (benchmarks/peers.py), with peak RSS and greedy
+agreement on every request: benchmarks/out/throughput-peers-<model>.json.
 
     .venv/bin/python benchmarks/throughput.py --model random --num-requests 16
 """
@@ -33,9 +32,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +44,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(
 from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
     MODELS,
     OUT_DIR,
+    Result,
+    Workload,
+    check_lengths,
     format_table,
-    load_average,
     log,
     model_path,
     random_prompt,
@@ -60,44 +60,11 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
 # isort: split
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from hf_runs import DTYPES, load_hf, run_hf_cb, run_hf_static, static_batch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAGEDQ_MAX_BATCHED_TOKENS = 2048
 PAGEDQ_MAX_NUM_SEQS = 256
-CB_PAGE_SIZE = 16  # tokens per page of transformers' paged cache, as pagedq's block_size
 NUM_CHECKED = 4  # requests whose greedy tokens are compared across systems
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
-
-
-@dataclass
-class Result:
-    system: str
-    seconds: float
-    cpu_seconds: float
-    output_tokens: int
-    extra: dict[str, Any] = field(default_factory=dict)
-    load: float = field(default_factory=load_average)  # at the end of the run
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-    @property
-    def tok_cpu_s(self) -> float:
-        return self.output_tokens / self.cpu_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,12 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "max_batch_tokens:max_requests_per_batch pairs (pagedq's: 2048:256)")
     p.add_argument("--batch-sizes", default="8,16,32",
                    help="HF static batch sizes, comma-separated")
-    p.add_argument("--peers", default="",
-                   help="comma-separated peers of vllm, hf-static, hf-cb: every system then runs "
-                        "in a process of its own, alternating with pagedq (benchmarks/peers.py)")
+    p.add_argument("--peers", default="", help="comma-separated: vllm, hf-static, hf-cb")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the --peers alternation")
-    p.add_argument("--vllm-block-size", type=int, default=128,
-                   help="vLLM's KV block size (its CPU build takes multiples of 32)")
+    p.add_argument("--vllm-block-size", type=int, default=128, help="multiple of 32")
     p.add_argument("--device", default="cpu", help="cpu or cuda, for every system")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--kv-cache-dtype", default="auto", help="pagedq's: auto, fp8, fp8_e5m2")
@@ -176,125 +140,11 @@ def run_pagedq(path: Path, wl: Workload,
                                                     ignore_eos=True), use_tqdm=False)
     outs, seconds, cpu = timed(lambda: llm.generate(wl.prompts, params))
     tokens = [o.outputs[0].token_ids for o in outs]
-    _check_lengths("pagedq", tokens, wl.output_lens)
+    check_lengths("pagedq", tokens, wl.output_lens)
     stats = llm.stats()
     extra = {k: stats[k] for k in ("kv_blocks_peak", "kv_blocks_total", "kv_utilization_at_peak",
                                    "preemptions", "prefix_cache_hits")} | {"block_size": block_size}
     return Result("pagedq", seconds, cpu, sum(map(len, tokens)), extra), tokens
-
-
-def _check_lengths(system: str, tokens: list[list[int]], expected: list[int]) -> None:
-    bad = [(i, len(t), n) for i, (t, n) in enumerate(zip(tokens, expected, strict=True))
-           if len(t) != n]
-    if bad:
-        raise RuntimeError(f"{system}: requests (index, generated, expected) {bad[:5]} did not "
-                           f"generate their output length")
-
-
-# ----------------------------------------------------------------------------- transformers
-
-
-def load_hf(path: Path, args: argparse.Namespace) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype],
-                                                 attn_implementation="sdpa")
-    model = model.to(args.device).eval()
-    model.generation_config.eos_token_id = None  # ignore_eos: only max_new_tokens stops
-    return model
-
-
-def _pad_id(model: Any) -> int:
-    pad = model.config.pad_token_id
-    return pad if pad is not None else 0
-
-
-@torch.inference_mode()
-def static_batch(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    width = max(map(len, prompts))
-    pad = _pad_id(model)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                        device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                         max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad)
-    if out.shape[1] != width + max_new:
-        raise RuntimeError(f"hf-static generated {out.shape[1] - width} tokens, not {max_new}")
-    return out[:, width:].tolist()
-
-
-def run_hf_static(model: Any, wl: Workload, batch_size: int) -> tuple[Result, list[list[int]]]:
-    def run() -> list[list[int]]:
-        tokens: list[list[int]] = []
-        for start in range(0, len(wl.prompts), batch_size):
-            lens = wl.output_lens[start:start + batch_size]
-            batch = static_batch(model, wl.prompts[start:start + batch_size], max(lens))
-            tokens += [row[:n] for row, n in zip(batch, lens, strict=True)]
-            log(f"hf-static B={batch_size}: {len(tokens)}/{len(wl.prompts)} requests")
-        return tokens
-
-    tokens, seconds, cpu = timed(run)
-    _check_lengths(f"hf-static B={batch_size}", tokens, wl.output_lens)
-    return Result(f"hf-static B={batch_size}", seconds, cpu, wl.output_tokens), tokens
-
-
-def _cb_config(wl: Workload, cuda_graph: bool | None, limits: tuple[int, int]) -> Any:
-    import dataclasses
-
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    # Room for every request at its full length at once (+1 page each), so nothing is evicted.
-    pages = sum(-(-(len(p) + n) // CB_PAGE_SIZE) + 1 for p, n in zip(wl.prompts, wl.output_lens,
-                                                                       strict=True))
-    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    page = "page_size" if "page_size" in fields else "block_size"  # renamed after 5.17
-    wanted = {page: CB_PAGE_SIZE, "num_blocks": pages,
-              "max_batch_tokens": limits[0], "max_requests_per_batch": limits[1],
-              "auto_switch_to_flash": False,
-              "use_cuda_graph": cuda_graph, "use_async_batching": False}
-    return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
-
-
-def run_hf_cb(model: Any, wl: Workload, limits: tuple[int, int]
-              ) -> tuple[Result, list[list[int]]]:
-    """On CUDA with transformers' own CUDA graphs (captured in its warm-up, untimed), as
-    pagedq uses its own; on the CPU without. Not under inference_mode: the manager's thread
-    updates in place the static tensors that its warm-up creates in this one."""
-    from transformers import GenerationConfig
-
-    cuda = model.device.type == "cuda"
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1,
-                                  max_new_tokens=max(wl.output_lens))
-    accepted = inspect.signature(model.continuous_batching_context_manager).parameters
-    kwargs = {"continuous_batching_config": _cb_config(wl, None if cuda else False, limits),
-              "warmup": cuda}
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # older transformers lack some
-    with model.continuous_batching_context_manager(generation_config=gen_config,
-                                                   **kwargs) as manager:
-        results, seconds, cpu = timed(lambda: _cb_generate(manager, wl))
-    tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(wl.prompts))]
-    name = f"hf-cb {limits[0]}:{limits[1]}"
-    _check_lengths(name, tokens, wl.output_lens)
-    return Result(name, seconds, cpu, sum(map(len, tokens))), tokens
-
-
-def _cb_generate(manager: Any, wl: Workload) -> dict[str, Any]:
-    for i, (prompt, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
-        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
-    results: dict[str, Any] = {}
-    while len(results) < len(wl.prompts):
-        result = manager.get_result(timeout=1)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError(f"hf-cb stopped with {len(results)} of {len(wl.prompts)} done")
-            continue
-        if result.error is not None:
-            raise RuntimeError(f"hf-cb request {result.request_id} failed: {result.error}")
-        if result.is_finished():
-            results[result.request_id] = result
-            if len(results) % 8 == 0:
-                log(f"hf-cb: {len(results)}/{len(wl.prompts)} requests")
-    return results
 
 
 # ----------------------------------------------------------------------------- report
@@ -350,27 +200,17 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
     """pagedq and each of --peers in processes of their own, alternating over --rounds."""
     import peers
 
-    systems = ["pagedq"]
-    for peer in args.peers:
-        if peer == "vllm" and (why := peers.vllm_missing()):
-            print(f"vllm left out: {why}")
-        elif peer == "hf-static":
-            systems += [f"hf-static B={b}" for b in args.batch_sizes]
-        elif peer == "hf-cb":
-            systems += [f"hf-cb {t}:{r}" for t, r in args.cb_limits]
-        else:
-            systems.append(peer)
+    runs = {"vllm": ["vllm"], "hf-static": [f"hf-static B={b}" for b in args.batch_sizes],
+            "hf-cb": [f"hf-cb {t}:{r}" for t, r in args.cb_limits]}
+    systems = ["pagedq"] + [system for peer in args.peers for system in runs[peer]]
     spec = peers.make_spec(path, peers.greedy_requests(wl.prompts, wl.output_lens),
                            threads=threads, block_size=args.block_size or 8,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True,
                            max_num_seqs=PAGEDQ_MAX_NUM_SEQS,
                            max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
-    rows = peers.report(f"throughput: model={name}, {len(wl.prompts)} requests, "
-                        f"{wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, cpu "
-                        f"float32, {threads} threads, {args.rounds} rounds",
-                        peers.alternate(systems, spec, args.rounds))
-    write_json(OUT_DIR / f"throughput-peers-{name}.json", {
-        "model": name, "args": vars(args), "threads": threads, "rows": rows})
+    peers.compare(f"throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} "
+                  f"prompt + {wl.output_tokens} output tokens, cpu float32", systems, spec,
+                  args.rounds, f"throughput-peers-{name}", vars(args))
 
 
 def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
