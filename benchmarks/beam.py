@@ -189,7 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pagedq KV blocks at peak: {ours['kv_blocks_peak']}; {args.width} separate sequences "
           f"per request: {ours['kv_blocks_separate']}")
     for pair, same in agree.items():
-        print(f"{pair}: {sum(same)}/{len(same)} requests with identical beams")
+        x, y = pair.split(" vs ")
+        tokens = sum([t for t, _ in a] == [t for t, _ in b] for a, b in zip(beams[x], beams[y],
+                                                                          strict=True))
+        print(f"{pair}: {sum(same)}/{len(same)} requests with identical beams (cum_logprob "
+              f"within 1e-4); {tokens}/{len(same)} with the same hypotheses token for token")
     common.write_json(common.OUT_DIR / f"beam-{args.model}.json",
                       {"args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
                        "identical_beams": agree})
