@@ -109,13 +109,17 @@ def test_n_prompts_logprobs_and_stop(stack, tiny_llama) -> None:
 def test_beam_search_as_vllm_extra_parameters_equals_llm_beam_search(stack, tiny_llama) -> None:
     _, gateway = stack
     client, prompt = gateway.client(), "The queue worker pulls a job"
-    want = LLM(str(tiny_llama), dtype="float32", device="cpu").beam_search(
-        prompt, BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5,
-                                 early_stopping=True))[0].sequences
-    plain = client.completions.create(model=QUEUE, prompt=prompt, max_tokens=10, n=3,
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    want = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=10,
+                                                    length_penalty=0.5,
+                                                    early_stopping=True))[0].sequences
+    start = len(llm.tokenizer.encode(prompt))
+    beams = [[f"token_id:{t}" for t in s.tokens[start:]] for s in want]
+    assert len({tuple(b) for b in beams}) == 3  # three different beams, best first
+    plain = client.completions.create(model=QUEUE, prompt=prompt, max_tokens=10, n=3, logprobs=0,
                                       extra_body={"use_beam_search": True, "length_penalty": 0.5,
                                                   "early_stopping": True})
-    assert len({s.text for s in want}) == 3  # three different beams, best first
+    assert [c.logprobs.tokens for c in plain.choices] == beams
     assert [c.text for c in plain.choices] == [s.text for s in want]
     assert [c.index for c in plain.choices] == [0, 1, 2]
     streamed = client.completions.create(model=QUEUE, prompt=prompt, max_tokens=10, stream=True,
