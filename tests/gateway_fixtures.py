@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 import uvicorn
+from acl_server import acl_server
 from test_worker_recovery import spawn
 
 from producer.gateway.app import create_app
@@ -74,11 +75,13 @@ def make_gateway() -> Iterator[Callable[..., GatewayThread]]:
 @pytest.fixture(scope="session")
 def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         tuple[RedisServer, GatewayThread]]:
-    """A redis-server, one worker process on ``q`` and a gateway, shared by the gateway's
-    tests (each uses queues or ids of its own)."""
-    server = RedisServer(data_dir=tmp_path_factory.mktemp("redis")).start()
-    worker = spawn(server.url, tiny_llama, "gw-worker")
-    gateway = GatewayThread(server.url, max_queue_len=50, workers_cache_s=0.2,
+    """A redis-server with worker/redis.acl's users, one worker process on ``q`` (as user
+    ``worker``) and a gateway (as user ``gateway``: every gateway test checks that its ACL
+    lets it work), shared by the gateway's tests (each uses queues or ids of its own);
+    ``server.url`` is the admin's."""
+    server, urls = acl_server(tmp_path_factory.mktemp("redis"))
+    worker = spawn(urls["worker"], tiny_llama, "gw-worker")
+    gateway = GatewayThread(urls["gateway"], max_queue_len=50, workers_cache_s=0.2,
                             max_file_bytes=1 << 20).start()
     try:
         yield server, gateway

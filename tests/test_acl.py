@@ -1,35 +1,32 @@
-"""Least privilege: Redis runs with worker/redis.acl; a producer (Client), a worker and
-rq-dashboard each connect as their own user and do their whole job, and each is refused what
-belongs to the others."""
+"""Least privilege: Redis runs with worker/redis.acl; a producer (Client), a worker,
+rq-dashboard and the gateway each connect as their own user and do their whole job, and each is
+refused what belongs to the others. (The gateway's whole test stack runs as ``gateway``: see
+tests/gateway_fixtures.py.)"""
 
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from acl_server import PASSWORDS, acl_server
 from rq.serializers import JSONSerializer
+from test_gateway_batch import jsonl, line, wait_batch
 from test_worker import QUEUE, one_torch_thread, serving  # noqa: F401
 
 from producer import Client
-from producer.protocol import GROUP, cancel_key, queue_key, results_key
+from producer.protocol import GROUP, cancel_key, dead_key, queue_key, results_key
 from producer.rq_mirror import job_key
-from worker.acl import placeholders, render
-from worker.redis_server import RedisServer
-
-PASSWORDS = {"ADMIN": "admin-pw", "PRODUCER": "producer-pw", "WORKER": "worker-pw",
-             "DASHBOARD": "dashboard-pw"}
+from worker.acl import placeholders
 
 
 @pytest.fixture
 def urls(tmp_path: Path) -> Iterator[dict[str, str]]:
-    acl = tmp_path / "users.acl"
-    acl.write_text(render(PASSWORDS))
-    server = RedisServer(data_dir=tmp_path, password=PASSWORDS["ADMIN"],
-                         extra_args=["--aclfile", str(acl)]).start()
-    base = f"127.0.0.1:{server.port}/0"
-    yield {user.lower(): f"redis://{user.lower()}:{pw}@{base}" for user, pw in PASSWORDS.items()
-           if user != "ADMIN"}
+    server, by_user = acl_server(tmp_path)
+    yield by_user
     server.stop()
+
+
+pytest_plugins = ["redis_fixtures", "gateway_fixtures"]  # `stack`: gateway as `gateway`
 
 
 def refused(conn: redis.Redis, *command: object) -> bool:
@@ -91,3 +88,29 @@ def test_each_user_does_its_job_and_nothing_else(urls, tiny_llama) -> None:
                     ("HSET", job_key(done.id), "status", "queued"), ("DEL", job_key(done.id)),
                     ("XRANGE", results_key(done.id), "-", "+")]:
         assert refused(d, *command), command
+
+
+def test_the_gateway_user_serves_files_batches_and_completions_only(stack) -> None:
+    server, gateway = stack
+    assert gateway.settings.redis_url.startswith("redis://gateway:")
+    client = gateway.client()
+    text = client.completions.create(model="q", prompt="hi", max_tokens=3).choices[0].text
+    assert text
+    uploaded = client.files.create(file=("acl.jsonl", jsonl([line("a", {
+        "model": "q", "prompt": "hi", "max_tokens": 3})])), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    done = wait_batch(client, batch.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 1)
+    assert [m.id for m in client.models.list()] == ["q"]  # reads the RQ worker records
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    job = next(k for k in admin.scan_iter("rq:job:*"))
+    g = redis.Redis.from_url(gateway.settings.redis_url)
+    for command in [("FLUSHALL",), ("KEYS", "*"), ("CONFIG", "GET", "*"),
+                    ("XREADGROUP", "GROUP", GROUP, "me", "STREAMS", queue_key("q"), ">"),
+                    ("XACK", queue_key("q"), GROUP, "0-1"), ("DEL", queue_key("q")),
+                    ("HGETALL", job), ("HSETNX", job, "status", "x"), ("DEL", job),
+                    ("EXPIRE", job, 1), ("SET", job, "x"), ("SET", results_key("x"), "x"),
+                    ("XADD", dead_key("q"), "*", "a", "b"), ("HGET", "elsewhere", "a"),
+                    ("SET", "pagedq:other", "x")]:
+        assert refused(g, *command), command

@@ -17,7 +17,8 @@ from worker.acl import placeholders
 from worker.config import Settings
 
 ENV = {"REDIS_PASSWORD": "s3cret", "DASHBOARD_PASSWORD": "dash", "PRODUCER_REDIS_PASSWORD": "pp",
-       "WORKER_REDIS_PASSWORD": "ww", "DASHBOARD_REDIS_PASSWORD": "dd", "GATEWAY_API_KEYS": "k1,k2"}
+       "WORKER_REDIS_PASSWORD": "ww", "DASHBOARD_REDIS_PASSWORD": "dd",
+       "GATEWAY_REDIS_PASSWORD": "gg", "GATEWAY_API_KEYS": "k1,k2"}
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
@@ -151,7 +152,7 @@ def test_gateway_on_localhost_with_keys_from_the_environment(monkeypatch) -> Non
         monkeypatch.setenv(name, value)
     settings = GatewaySettings()
     assert (settings.api_key, settings.host) == (["k1", "k2"], "0.0.0.0")
-    assert settings.redis_url.endswith("@redis:6379/0")
+    assert settings.redis_url == "redis://gateway:gg@redis:6379/0"
     stage = DOCKERFILE.split("AS gateway")[1].split("FROM ")[0]
     assert "pip install '.[gateway]'" in stage and 'ENTRYPOINT ["pagedq-gateway"]' in stage
 

@@ -12,6 +12,7 @@ import pytest
 import redis
 from test_worker import reference, wait_for
 
+from engine import LLM, BeamSearchParams
 from producer import Client
 from producer.core import new_job
 from producer.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -103,6 +104,35 @@ def test_n_prompts_logprobs_and_stop(stack, tiny_llama) -> None:
     stopped = client.completions.create(**greedy, stop=stop).choices[0]
     assert (stopped.text, stopped.finish_reason) == (ref.outputs[0].text, "stop")
     assert stop not in stopped.text and len(stopped.text) < len(text)
+
+
+def test_beam_search_as_vllm_extra_parameters_equals_llm_beam_search(stack, tiny_llama) -> None:
+    _, gateway = stack
+    client, prompt = gateway.client(), "The queue worker pulls a job"
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    want = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=10,
+                                                    length_penalty=0.5,
+                                                    early_stopping=True))[0].sequences
+    start = len(llm.tokenizer.encode(prompt))
+    beams = [[f"token_id:{t}" for t in s.tokens[start:]] for s in want]
+    assert len({tuple(b) for b in beams}) == 3  # three different beams, best first
+    plain = client.completions.create(model=QUEUE, prompt=prompt, max_tokens=10, n=3, logprobs=0,
+                                      extra_body={"use_beam_search": True, "length_penalty": 0.5,
+                                                  "early_stopping": True})
+    assert [c.logprobs.tokens for c in plain.choices] == beams
+    assert [c.text for c in plain.choices] == [s.text for s in want]
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    streamed = client.completions.create(model=QUEUE, prompt=prompt, max_tokens=10, stream=True,
+                                         extra_body={"beam_width": 3, "length_penalty": 0.5,
+                                                     "early_stopping": True})
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [s.text for s in want]
+    with pytest.raises(openai.BadRequestError, match="beam"):
+        client.completions.create(model=QUEUE, prompt=prompt, n=2, temperature=0.7,
+                                  extra_body={"use_beam_search": True})
 
 
 def test_every_error_status_is_an_openai_error(stack) -> None:

@@ -38,7 +38,8 @@ from worker.redis_server import RedisServer, free_port
 
 ENV = {"REDIS_PASSWORD": "stack-pw-0123", "DASHBOARD_PASSWORD": "dash-pw-4567",
        "PRODUCER_REDIS_PASSWORD": "prod-pw-89ab", "WORKER_REDIS_PASSWORD": "work-pw-cdef",
-       "DASHBOARD_REDIS_PASSWORD": "dash-redis-pw-0246", "GATEWAY_API_KEYS": "gw-key-89ab"}
+       "DASHBOARD_REDIS_PASSWORD": "dash-redis-pw-0246",
+       "GATEWAY_REDIS_PASSWORD": "gw-redis-pw-1357", "GATEWAY_API_KEYS": "gw-key-89ab"}
 USER = "admin"  # DASHBOARD_USERNAME's default
 DOCKERFILE = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # continuation lines
 BIN = Path(sys.executable).parent

@@ -1,15 +1,19 @@
 """pagedq's Redis users (``worker/redis.acl``): ``producer`` (submit, stream, cancel, status,
 stats), ``worker`` (every data command on ``pagedq:*`` and ``rq:*``, nothing of ``@admin`` or
-``@dangerous``: no FLUSHALL, CONFIG, KEYS, ACL...), ``dashboard`` (reads ``rq:*``) and
-``default`` (the operator's). The file holds ``@NAME_PASSWORD@`` placeholders: compose's redis
-service fills them in with ``sed`` from its environment at start-up (the image has no Python);
-``render`` does the same here, for tests and for hosts without compose.
+``@dangerous``: no FLUSHALL, CONFIG, KEYS, ACL...), ``dashboard`` (reads ``rq:*``), ``gateway``
+(the producer's rules, plus its own keys: files ``pagedq:file*`` and batches ``pagedq:batch*``,
+and MULTI/EXEC for their transactions) and ``default`` (the operator's). The file holds
+``@NAME_PASSWORD@`` placeholders: compose's redis service fills them in with ``sed`` from its
+environment at start-up (the image has no Python); ``render`` does the same here, for tests and
+for hosts without compose.
 
 Why a producer's rules are narrow: its submit script (EVAL) needs its keys readable and
 writable, so ``rq:job:*`` is in its key patterns, but no command that reads a hash is granted
 there: it can create RQ records, never read them. ``SET`` is granted on cancel keys only,
 ``EXPIRE`` on its wake-up streams only, ``HGETALL`` / ``SMEMBERS`` on worker records only (a
-selector each). It holds no XREADGROUP, XACK, XCLAIM or DEL: it cannot act as a worker.
+selector each). It holds no XREADGROUP, XACK, XCLAIM or DEL: it cannot act as a worker. The
+gateway's extra commands (DEL, SET, HGET...) sit in a selector on its own key patterns, so they
+never reach ``rq:job:*`` or the job streams: it can do to those exactly what a producer can.
 """
 
 import re

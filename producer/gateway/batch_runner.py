@@ -123,6 +123,7 @@ class BatchRunner:
     def __init__(self, gateway: "Gateway") -> None:
         self.gateway = gateway
         self.running: dict[str, asyncio.Task] = {}
+        self.runs: dict[str, BatchRun] = {}
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -136,6 +137,13 @@ class BatchRunner:
                 task.cancel()
         await asyncio.gather(*filter(None, [self.task, *self.running.values()]),
                              return_exceptions=True)
+
+    def cancel(self, batch_id: str) -> None:
+        """Stops the batch at once if this process runs it (a peer's run sees ``cancelling``
+        at its next lease renewal, within a third of the lease): a fast job must not finish
+        during the wait."""
+        if batch_id in self.runs:
+            self.runs[batch_id].stop("cancelled")
 
     async def loop(self) -> None:
         lease = self.gateway.settings.batch_lease_s
@@ -161,7 +169,7 @@ class BatchRunner:
             batch = await store.get(batch_id)
             content = await self.gateway.files.content(batch["input_file_id"])
             lines, _ = parse_batch(content, batch["endpoint"])
-            run = BatchRun(self.gateway, batch_id, lines)
+            run = self.runs[batch_id] = BatchRun(self.gateway, batch_id, lines)
             if batch["status"] == "cancelling":  # canceled while no process held it
                 run.stop("cancelled")
             work = asyncio.ensure_future(run.run())
@@ -184,6 +192,7 @@ class BatchRunner:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
             self.running.pop(batch_id, None)
+            self.runs.pop(batch_id, None)
             try:  # at once, so that a restart need not wait for the lease to lapse
                 await store.release_lease(batch_id)
             except Exception:

@@ -87,5 +87,6 @@ async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
     if batch["status"] not in RUNNING + ("cancelled",):
         raise ApiError(400, f"batch {batch_id} is {batch['status']}: it cannot be cancelled",
                        "invalid_state", "batch_id")
-    await store.transition(batch_id, "cancelling", ("validating", "in_progress"))
+    if await store.transition(batch_id, "cancelling", ("validating", "in_progress")):
+        gateway(request).runner.cancel(batch_id)
     return await store.get(batch_id)

@@ -2,7 +2,11 @@
 
 Keys: ``Authorization: Bearer KEY`` must match one of ``--api-key`` (several may be valid at
 once, so that keys can be rotated); compared in constant time. With no key configured every
-request is let in, for local use, and the gateway warns at start."""
+request is let in, for local use, and the gateway warns at start.
+
+``check_key`` is ``async`` though it awaits nothing: FastAPI runs a plain ``def`` dependency in
+its thread pool, a hop to a worker thread and back on every request, on the path to the first
+token (py-spy showed it: ``run_in_threadpool`` per request)."""
 
 from hmac import compare_digest
 from typing import TYPE_CHECKING
@@ -19,7 +23,7 @@ def gateway(request: Request) -> "Gateway":
     return request.app.state.gateway
 
 
-def check_key(request: Request) -> None:
+async def check_key(request: Request) -> None:
     keys = gateway(request).settings.api_key
     if not keys:
         return

@@ -10,6 +10,11 @@ Decisions, as vLLM's server does:
   end of the context" on chat; ``max_completion_tokens`` wins over ``max_tokens``.
 - A prompt list (strings or token-id lists) becomes one job per prompt; choice ``i * n + j`` is
   sample ``j`` of prompt ``i``, as OpenAI numbers them.
+- Beam search as vLLM's server takes it: ``use_beam_search`` with ``n`` the beam width (each of
+  the ``n`` best hypotheses is a choice, best first), ``length_penalty`` and ``early_stopping``
+  (ignored without ``use_beam_search``, as vLLM does); ``beam_width`` (pagedq's job field) is
+  accepted instead of ``use_beam_search`` + ``n``. Nothing streams before the search ends: a
+  streamed beam search sends every choice's text at the end.
 - The ``developer`` role is sent as ``system``: pagedq's chat templates know the three classic
   roles only.
 """
@@ -50,12 +55,27 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    use_beam_search: bool = False
+    beam_width: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
     def _unsupported(self) -> "_Request":
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.beam_width is not None:  # pagedq's name: n beams returned
+            if self.n not in (1, self.beam_width):
+                raise ValueError("beam_width sets n: leave n out or equal to it")
+            self.use_beam_search, self.n = True, self.beam_width
         return self
+
+    def _search(self) -> dict[str, Any]:
+        """The job's beam search fields (n beams, one job), or nothing."""
+        if not self.use_beam_search:
+            return {"n": self.n}
+        return {"n": 1, "beam_width": self.n, "length_penalty": self.length_penalty,
+                "early_stopping": self.early_stopping}
 
     @property
     def include_usage(self) -> bool:
@@ -74,7 +94,7 @@ class _Request(BaseModel):
                  "presence_penalty": self.presence_penalty, "seed": self.seed,
                  "frequency_penalty": self.frequency_penalty,
                  "stop_token_ids": self.stop_token_ids, "logprobs": self._logprobs()}
-        return {"n": self.n, "max_tokens": self._max_tokens(), "stop": self.stop or [],
+        return {**self._search(), "max_tokens": self._max_tokens(), "stop": self.stop or [],
                 "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
                 "skip_special_tokens": self.skip_special_tokens,
                 "include_stop_str_in_output": self.include_stop_str_in_output,
