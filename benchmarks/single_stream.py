@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--skip-queue", action="store_true")
+    p.add_argument("--peers", default="", help="llamacpp: llama-server on F32 weights with an "
+                   "f32 KV cache (its arithmetic is pagedq's) and on F16 weights with flash "
+                   "attention (its fastest); bash benchmarks/llamacpp_peer.sh builds it")
     args = p.parse_args(argv)
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",") if n]
     return args
@@ -113,6 +117,34 @@ def via_queue(client: Any, prompt: list[int], max_tokens: int
     return figures(len(prompt), submitted, times), tokens
 
 
+def via_llamacpp(server: Any, prompt: list[int], max_tokens: int
+                 ) -> tuple[dict[str, Any], list[int]]:
+    submitted, times, tokens, timings = server.complete(prompt, max_tokens)
+    return figures(len(prompt), submitted, times) | {"server_timings": timings}, tokens
+
+
+def start_llamacpp(args: argparse.Namespace, threads: int, stack: ExitStack
+                   ) -> list[tuple[str, Any]]:
+    """The llama.cpp ways, their servers entered on ``stack``; none (with the reason printed)
+    where the peer is not built."""
+    if "llamacpp" not in args.peers.split(","):
+        return []
+    import llamacpp
+
+    if args.model != "smollm2" or (why := llamacpp.missing("f32") or llamacpp.missing("f16")):
+        print(f"llama.cpp left out: {why if args.model == 'smollm2' else 'SmolLM2 only'}")
+        return []
+    ways = []
+    ctx = max(args.prompt_lens) + args.max_tokens + 16
+    for way, kind, kv, flash in (("llama.cpp F32", "f32", "f32", False),
+                                 ("llama.cpp F16+FA", "f16", "f16", True)):
+        server = stack.enter_context(llamacpp.LlamaServer(
+            kind, threads=threads, ctx=ctx, kv=kv, flash=flash,
+            log=common.OUT_DIR / f"single-stream-llamacpp-{kind}.log"))
+        ways.append((way, lambda p, s=server: via_llamacpp(s, p, args.max_tokens)))
+    return ways
+
+
 def start_worker(url: str, path: Path, threads: int) -> subprocess.Popen:
     log_file = open(common.OUT_DIR / "single-stream-worker.log", "w")  # noqa: SIM115 (the child's)
     return subprocess.Popen(
@@ -136,14 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
     bandwidth, weights = read_bandwidth_gb_s(), step_bytes(llm)
     floor = bandwidth * 1e9 / weights
-    server = None if args.skip_queue else RedisServer().start()
-    worker = None if server is None else start_worker(server.url, path, threads)
     rows: list[dict[str, Any]] = []
-    try:
-        client = None if server is None else Client(server.url, queue="single")
+    with ExitStack() as stack:
         ways = [("LLM", lambda p: via_llm(llm, p, args.max_tokens))]
-        if client is not None:
+        if not args.skip_queue:
+            server = RedisServer().start()
+            stack.callback(server.stop)
+            worker = start_worker(server.url, path, threads)
+            stack.callback(lambda: (worker.terminate(), worker.wait(60)))
+            client = Client(server.url, queue="single")
             ways.append(("queue", lambda p: via_queue(client, p, args.max_tokens)))
+        ways += start_llamacpp(args, threads, stack)
         for _way, run in ways:  # warm-up: numba's first calls, the worker's engine start
             run(prompts[args.prompt_lens[0]][:16])
         for r in range(args.rounds):
@@ -151,15 +186,9 @@ def main(argv: list[str] | None = None) -> None:
                 tokens = {}
                 for way, run in ways:
                     result, tokens[way] = run(prompt)
-                    rows.append(result | {"way": way, "round": r, "load": common.load_average()})
+                    rows.append(result | {"way": way, "round": r, "load": common.load_average(),
+                                          "same_tokens": tokens[way] == tokens["LLM"]})
                     common.log(f"{way} {n}: {result['decode_tok_s']:.1f} tok/s")
-                rows[-1]["same_tokens"] = len(set(map(tuple, tokens.values()))) == 1
-    finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(60)
-        if server is not None:
-            server.stop()
     report(args, threads, rows, bandwidth, weights, floor)
 
 
@@ -174,11 +203,12 @@ def report(args: argparse.Namespace, threads: int, rows: list[dict[str, Any]],
         [[r["way"], r["round"], r["prompt_len"], r["ttft_ms"], r["decode_tok_s"],
           r["decode_tok_s"] / floor, r.get("same_tokens"), r["load"]] for r in rows]))
     for n in args.prompt_lens:
-        mine = {w: [r["decode_tok_s"] for r in rows if r["prompt_len"] == n and r["way"] == w]
-                for w in ("LLM", "queue")}
-        if mine["queue"]:
-            print(f"prompt {n}: queue / LLM decode tok/s = "
-                  f"{sum(mine['queue']) / sum(mine['LLM']):.2f}")
+        mine: dict[str, list[float]] = {}
+        for r in rows:
+            if r["prompt_len"] == n:
+                mine.setdefault(r["way"], []).append(r["decode_tok_s"])
+        print(f"prompt {n}: decode tok/s over LLM's: " + ", ".join(
+            f"{way} {sum(v) / sum(mine['LLM']):.2f}" for way, v in mine.items() if way != "LLM"))
     common.write_json(common.OUT_DIR / f"single-stream-{args.model}.json", {
         "model": args.model, "args": vars(args), "threads": threads, "bandwidth_gb_s": bandwidth,
         "step_bytes": weights, "floor_tok_s": floor, "rows": rows})
