@@ -139,3 +139,20 @@ def test_rotary_matches_reference(tokens: int) -> None:
     for got, want in zip(cpu_ops.rotary(q, k, cos, sin, positions),
                          reference.rotary(q, k, cos, sin, positions), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_store_matches_reference(tokens: int) -> None:
+    """Strided key/value views (as split from the fused qkv output), slots across blocks,
+    and -1 slots skipped."""
+    torch.manual_seed(0)
+    qkv = torch.randn(tokens, 5, 16)
+    key, value = qkv[:, 1:3], qkv[:, 3:5]
+    slots = torch.randperm(8 * 6)[:tokens]
+    slots[1::5] = -1
+    pair = [torch.randn(6, 8, 2, 16) for _ in range(2)]
+    caches = [*pair, *(c.clone() for c in pair)]
+    cpu_ops.store_kvcache(key, value, caches[0], caches[1], slots)
+    reference.store_kvcache(key, value, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
