@@ -33,8 +33,7 @@ _SERIAL = _JIT | {"parallel": False}
 _PARALLEL_GRAIN = 1 << 16
 
 
-@numba.njit(**_JIT)
-def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+def _decode_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
             context_lens: np.ndarray, scale: float, out: np.ndarray) -> None:  # pragma: no cover
     # One task per sequence: it walks each block's rows (every KV head) in memory order.
     # Plain indexing, no array slices in the loops: slices cost a reference count each, and
@@ -106,6 +105,9 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _store(key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
 
 
+_decode = (numba.njit(**_SERIAL)(_decode_rows), numba.njit(**_JIT)(_decode_rows))
+
+
 def _fast(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
@@ -132,11 +134,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k_cache.dtype != torch.float32 or q.shape[0] == 0:
         return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale)
-    threads = _match_torch_threads()
     out = torch.empty(q.shape, dtype=torch.float32)
-    _decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-            block_tables.numpy(), context_lens.numpy(), scale, out.numpy())
-    _restore_torch_threads(threads)
+    args = (q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
+            context_lens.numpy(), scale, out.numpy())
+    if q.shape[0] == 1:  # one task: the serial build, without a parallel region's launch
+        _decode[0](*args)
+    else:
+        threads = _match_torch_threads()
+        _decode[1](*args)
+        _restore_torch_threads(threads)
     return out.to(q.dtype)
 
 
