@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from kernels.numba_common import numba_follows_torch, softmax_numerators
+from kernels.numba_common import JIT, numba_follows_torch, softmax_numerators
 
 _FORMATS = {torch.float8_e4m3fn: (20, 7), torch.float8_e5m2: (21, 15)}  # (shift, exponent bias)
 
@@ -29,7 +29,7 @@ def _widen(src: np.ndarray, shift: np.uint32, bits: np.ndarray) -> None:  # prag
         bits[d] = ((byte & np.uint32(0x7F)) << shift) | ((byte & np.uint32(0x80)) << np.uint32(24))
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")
+@numba.njit(**JIT)
 def _decode_fp8(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, shift: np.uint32,
                 k_mul: float, v_mul: float, block_tables: np.ndarray, context_lens: np.ndarray,
                 scale: float, out: np.ndarray) -> None:  # pragma: no cover

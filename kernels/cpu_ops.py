@@ -19,14 +19,12 @@ import numpy as np
 import torch
 
 from kernels import reference
+from kernels.numba_common import SERIAL, serial_and_parallel
 from kernels.reference import (  # noqa: F401  (re-exported: the dispatch looks names up here)
     copy_blocks,
     paged_attention_prefill,
 )
 
-_JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True,
-        "error_model": "numpy"}
-_SERIAL = _JIT | {"parallel": False}
 # Row-wise ops below this many elements run on one thread, as torch's elementwise ops do below
 # their grain size: waking the second thread cost more than it saved at a decode batch of 128
 # (rotary 345 us on two threads against 197 us on one).
@@ -80,7 +78,7 @@ def _decode_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_
                 out[b, g, d] = acc[g, d] / denom[g]
 
 
-@numba.njit(**_SERIAL)
+@numba.njit(**SERIAL)
 def _store(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
            slots: np.ndarray) -> None:  # pragma: no cover
     block_size = k_cache.shape[1]
@@ -105,7 +103,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _store(key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
 
 
-_decode = (numba.njit(**_SERIAL)(_decode_rows), numba.njit(**_JIT)(_decode_rows))
+_decode = serial_and_parallel(_decode_rows)
 
 
 def _fast(*tensors: torch.Tensor) -> bool:
@@ -160,7 +158,7 @@ def _rms_norm_rows(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps:
             out[r, i] = weight[i] * (res_out[r, i] * inv)
 
 
-_rms_norm = (numba.njit(**_SERIAL)(_rms_norm_rows), numba.njit(**_JIT)(_rms_norm_rows))
+_rms_norm = serial_and_parallel(_rms_norm_rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -202,7 +200,7 @@ def _rotary_rows(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 out_k[t, h, d + half] = x2 * cos[p, d + half] + x1 * sin[p, d + half]
 
 
-_rotary = (numba.njit(**_SERIAL)(_rotary_rows), numba.njit(**_JIT)(_rotary_rows))
+_rotary = serial_and_parallel(_rotary_rows)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -73,6 +73,28 @@ def test_decode_keeps_torch_thread_count() -> None:
     assert out[:2] == ["1", "1"], out
 
 
+def test_parallel_builds_are_parallel(tmp_path) -> None:
+    """The parallel build of each row-wise kernel runs numba's threads, compiled fresh and
+    loaded from numba's cache (a cache entry shared with the serial build made it serial).
+    The serial build is compiled first, as a batch-1 step does; the threads are never
+    started by ``numba.set_num_threads`` here, only by a parallel region."""
+    code = (
+        "import numpy as np\n"
+        "import numba.np.ufunc.parallel as parallel\n"
+        "from kernels import cpu_ops\n"
+        "x = np.ones((64, 576), np.float32)\n"
+        "args = (x, x, x[0], 1e-5, True, np.empty_like(x), np.empty_like(x))\n"
+        "cpu_ops._rms_norm[0](*args)\n"
+        "assert not parallel._is_initialized\n"
+        "cpu_ops._rms_norm[1](*args)\n"
+        "print(parallel._is_initialized)\n")
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2", "NUMBA_CACHE_DIR": str(tmp_path)}
+    for _ in ("compiled", "cached"):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out == ["True"], out
+
+
 def test_default_backend_on_cpu() -> None:
     assert kernels.default_backend(torch.device("cpu")) == "cpu"
     assert kernels._resolve("paged_attention_decode", torch.device("cpu"), None) is (
