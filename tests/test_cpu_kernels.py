@@ -110,10 +110,11 @@ def test_engine_same_tokens_on_both_cpu_backends(tiny_llama, monkeypatch) -> Non
     assert fast == slow
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 300])
 def test_packed_linear_matches_linear(rows: int) -> None:
+    """Both paths: the skinny product (up to 4 rows, with and without bias) and oneDNN's."""
     gen = torch.Generator().manual_seed(rows)
-    linear = torch.nn.Linear(96, 160, bias=rows % 2 == 1)
+    linear = torch.nn.Linear(96, 163, bias=rows % 2 == 1)
     x = torch.randn(rows, 96, generator=gen)
     expected = linear(x)
     model = torch.nn.Sequential(linear)
@@ -121,6 +122,16 @@ def test_packed_linear_matches_linear(rows: int) -> None:
     pack_linears(model)
     assert isinstance(model[0], PackedLinear)
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_skinny_linear_matches_reference(rows: int) -> None:
+    """Output counts that are not a multiple of the kernel's 8-row tasks, a strided x."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1003, 80, generator=gen)
+    x = torch.randn(rows, 160, generator=gen)[:, ::2]
+    torch.testing.assert_close(cpu_ops.skinny_linear(x, weight),
+                               reference.skinny_linear(x, weight), atol=1e-4, rtol=1e-5)
 
 
 def test_loaded_model_packs_every_linear(tiny_llama3) -> None:
