@@ -25,6 +25,11 @@ def numba_follows_torch() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
+def cpu_float32(*tensors: torch.Tensor) -> bool:
+    """Whether the numba kernels can take these tensors (numba has no bfloat16)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
 SERIAL = JIT | {"parallel": False}
 

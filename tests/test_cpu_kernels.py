@@ -44,6 +44,24 @@ def test_decode_matches_reference(group: int, head_dim: int, block_size: int) ->
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("context", [512, 700, 1001])
+def test_decode_splits_a_long_sequence(context: int) -> None:
+    """Batch 1 on 2 threads: the context is split over them (flash decoding) and merged."""
+    gen = torch.Generator().manual_seed(context)
+    q = torch.randn(1, 6, 32, generator=gen)
+    k, v = (torch.randn(80, 16, 2, 32, generator=gen) for _ in range(2))
+    tables = torch.randperm(80, generator=gen)[None, :64].int()
+    ctx = torch.tensor([context], dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_ops.paged_attention_decode(q, k, v, tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference.paged_attention_decode(q, k, v, tables, ctx, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_other_dtypes_fall_back() -> None:
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
@@ -81,12 +99,12 @@ def test_parallel_builds_are_parallel(tmp_path) -> None:
     code = (
         "import numpy as np\n"
         "import numba.np.ufunc.parallel as parallel\n"
-        "from kernels import cpu_ops\n"
+        "from kernels import cpu_rows\n"
         "x = np.ones((64, 576), np.float32)\n"
         "args = (x, x, x[0], 1e-5, True, np.empty_like(x), np.empty_like(x))\n"
-        "cpu_ops._rms_norm[0](*args)\n"
+        "cpu_rows._rms_norm[0](*args)\n"
         "assert not parallel._is_initialized\n"
-        "cpu_ops._rms_norm[1](*args)\n"
+        "cpu_rows._rms_norm[1](*args)\n"
         "print(parallel._is_initialized)\n")
     env = {**os.environ, "NUMBA_NUM_THREADS": "2", "NUMBA_CACHE_DIR": str(tmp_path)}
     for _ in ("compiled", "cached"):
