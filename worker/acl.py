@@ -11,7 +11,12 @@ Why a producer's rules are narrow: its submit script (EVAL) needs its keys reada
 writable, so ``rq:job:*`` is in its key patterns, but no command that reads a hash is granted
 there: it can create RQ records, never read them. ``SET`` is granted on cancel keys only,
 ``EXPIRE`` on its wake-up streams only, ``HGETALL`` / ``SMEMBERS`` on worker records only (a
-selector each). It holds no XREADGROUP, XACK, XCLAIM or DEL: it cannot act as a worker. The
+selector each). It holds no XREADGROUP, XACK, XCLAIM or DEL: it cannot act as a worker. Result
+streams are read-only to it (``%R~pagedq:results:*``): only workers write them. Its submit
+script names a job's result key among its KEYS (to see whether the job exists), and EVAL
+counts every key it names as written, so EVAL alone gets those keys writable, in a selector
+of its own; the script's commands are checked one by one against the rules above, so a
+script that writes a result stream is refused like a plain XADD. The
 gateway's extra commands (DEL, SET, HGET...) sit in a selector on its own key patterns, so they
 never reach ``rq:job:*`` or the job streams: it can do to those exactly what a producer can.
 """
