@@ -1,6 +1,6 @@
 """The whole engine on a quantized model (GPTQ 4-bit, activation order; float32, and bfloat16
-on the CPU int4 kernel): preemption, prefix caching and n seeded samples, the pool whole after
-each (make_llm);
+on the CPU int4 kernel): preemption, prefix caching, n seeded samples and beam search, the pool
+whole after each (make_llm);
 and bad checkpoints refused at load with an error naming the tensor or setting."""
 
 import json
@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import SamplingParams
+from engine import BeamSearchParams, SamplingParams
 from engine.quantization import (
     IntQuantLinear,
     QuantizationError,
     describe,
     parse_quant_config,
 )
+from tests.beam_reference import assert_same_beams, hf_beams, ours
 from tests.conftest import hf_greedy
 from tests.quant_formats import write_gptq
 
@@ -63,6 +64,21 @@ def test_seeded_samples_survive_preemption(gptq, make_llm) -> None:
 
     assert ids(squeezed) == ids(roomy)
     assert len({tuple(t) for t in ids(roomy)[0]}) > 1  # the samples differ from each other
+
+
+def test_beams_under_preemption(gptq, make_llm) -> None:
+    """Beam search on the quantized checkpoint equals transformers' on its dequantized twin,
+    with a pool small enough that beam groups are preempted and recomputed."""
+    checkpoint, twin = gptq
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (13, 22)]
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
+    llm = make_llm(checkpoint, num_kv_blocks=22, block_size=4)
+    outs = llm.beam_search(prompts, params)
+    assert llm.stats()["preemptions"] > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_same_beams(ours(out, prompt), hf_beams(twin, prompt, [], 4, MAX_NEW, 1.0, False),
+                          prompt)
 
 
 def test_int4_kernel_under_preemption(gptq, make_llm) -> None:
