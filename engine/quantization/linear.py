@@ -18,9 +18,14 @@ and ``torch._scaled_mm`` on FP8 ~15 ms. Hence:
   compressed-tensors computes in transformers), and int weights in bfloat16 whose groups fit no
   kernel;
 - ``scaled_mm``: FP8 on CUDA sm89+, ``torch._scaled_mm`` with FP8 activations (vLLM's W8A8);
-- ``dequantize``: int weights on CUDA, kept quantized and dequantized at each call
-  (``kernels.quant_reference``): no GPU int4 kernel is wired in yet (none could be run here).
+- ``triton``: int weights (4- and 8-bit) on CUDA, packed for ``kernels.triton_quant``'s GEMM,
+  which dequantizes tile by tile in registers (4-bit: a quarter of the bf16 weight's bytes).
+  Checked against the reference under Triton's interpreter; not yet run on a GPU;
+- ``dequantize``: int weights on CUDA without Triton, kept quantized and dequantized at each
+  call (``kernels.quant_reference``).
 """
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +57,12 @@ class IntQuantLinear(nn.Module):
             self.layout = "dense"
             self.register_buffer("weight", quant_reference.dequantize_int(
                 w.qweight, w.scales, w.zeros, w.g_idx, dtype))
+        elif importlib.util.find_spec("triton") is not None:
+            from kernels import triton_quant  # imports triton: CUDA only
+
+            self.layout = "triton"
+            self.packed = triton_quant.pack(*(t.to(device) for t in (
+                w.qweight, w.scales, w.zeros, w.g_idx)), w.bits)
         else:
             self.layout = "dequantize"
             for name in ("qweight", "scales", "zeros", "g_idx"):
@@ -64,6 +75,10 @@ class IntQuantLinear(nn.Module):
             return quant_ops.int8_channel_linear(x, self.weight, self.scales, self.bias)
         if self.layout == "dense":
             return F.linear(x, self.weight, self.bias)
+        if self.layout == "triton":
+            from kernels import triton_quant
+
+            return triton_quant.int_linear(x, self.packed, self.bias)
         return quant_reference.int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx,
                                           self.bias)
 
