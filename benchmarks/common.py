@@ -56,8 +56,10 @@ MODELS = (*RANDOM_MODELS, "smollm2")
 
 
 def model_path(name: str) -> Path:
-    """The folder of a random llama of RANDOM_MODELS (built once under OUT_DIR) or of
-    SmolLM2."""
+    """The folder of a random llama of RANDOM_MODELS (built once under OUT_DIR), of SmolLM2,
+    or ``name`` itself when it is a checkpoint folder (a quantized one, say)."""
+    if Path(name).is_dir():
+        return Path(name)
     if name == "smollm2":
         from engine.default_model import default_model_path
 

@@ -69,7 +69,8 @@ NUM_CHECKED = 4  # requests whose greedy tokens are compared across systems
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    p.add_argument("--model", default="both",
+                   help=f"one of {', '.join(MODELS)}, both, or a checkpoint folder")
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -215,6 +216,7 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
 
 def bench_model(name: str, args: argparse.Namespace, threads: int) -> None:
     path = model_path(name)
+    name = path.name if Path(name).is_dir() else name  # a folder: its name in the output
     wl = make_workload(path, args)
     log(f"{name}: {len(wl.prompts)} requests, {wl.prompt_tokens} prompt tokens, "
         f"{wl.output_tokens} output tokens")
