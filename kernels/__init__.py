@@ -116,8 +116,3 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def silu_and_mul(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     return _resolve("silu_and_mul", x.device, backend)(x)
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None
-                  ) -> torch.Tensor:
-    return _resolve("skinny_linear", x.device, backend)(x, weight)

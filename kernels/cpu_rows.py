@@ -1,5 +1,4 @@
-"""The CPU's row-wise ops compiled by numba: RMSNorm with its residual add, rotary, and the
-skinny matrix product of a decode step of a few sequences.
+"""The CPU's row-wise ops compiled by numba: RMSNorm with its residual add, and rotary.
 
 The row-wise ops are one pass each where torch takes 4-7 (the reference RMSNorm is add, pow,
 mean, add, rsqrt, mul, mul; rotary indexes the tables, then mul, neg, cat, mul, add). SiLU
@@ -21,37 +20,6 @@ from kernels.numba_common import cpu_float32, numba_follows_torch, serial_and_pa
 # their grain size: waking the second thread cost more than it saved at a decode batch of 128
 # (rotary 345 us on two threads against 197 us on one).
 PARALLEL_GRAIN = 1 << 16
-
-
-def _skinny_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
-    # Tasks of 8 weight rows; each row is read from memory once and stays in L1 for the
-    # (at most a few) rows of x.
-    num_out, size = w.shape
-    for task in numba.prange((num_out + 7) // 8):
-        for n in range(task * 8, min(num_out, task * 8 + 8)):
-            for m in range(x.shape[0]):
-                s = np.float32(0.0)
-                for k in range(size):
-                    s += w[n, k] * x[m, k]
-                out[m, n] = s
-
-
-_skinny = serial_and_parallel(_skinny_rows)
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``kernels.reference.skinny_linear``'s contract: one pass over the weight rows, split
-    over the threads. Measured at one row (2 threads, 30 layers of SmolLM2's weights, so read
-    from memory): 13.1-14.4 ms against 17.6-19.0 for oneDNN's product on weights packed for
-    batches (24 GB/s), 12.4 against 27.9 at 8 rows: oneDNN wins from 8 rows on. The 113 MB
-    lm_head alone: 2.9 ms (40 GB/s) against 4.1."""
-    if not cpu_float32(x, weight) or x.dim() != 2:
-        return reference.skinny_linear(x, weight)
-    x = x.detach().contiguous()  # inference only: no graph through numba
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    with numba_follows_torch():
-        _skinny[1](x.numpy(), weight.detach().numpy(), out.numpy())
-    return out
 
 
 def _rms_norm_rows(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float,

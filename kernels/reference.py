@@ -146,12 +146,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` with few rows (a decode step of one to four sequences) times ``weight``
-    ``[N, K]`` transposed: bound by reading the weight once."""
-    return F.linear(x, weight)
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation on the fused gate/up output ``[T, 2 * I]``: ``silu(gate) * up``."""
     gate, up = x.chunk(2, dim=-1)
