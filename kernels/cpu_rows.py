@@ -3,10 +3,14 @@
 The row-wise ops are one pass each where torch takes 4-7 (the reference RMSNorm is add, pow,
 mean, add, rsqrt, mul, mul; rotary indexes the tables, then mul, neg, cat, mul, add). SiLU
 stays torch's: numba's ``np.exp`` is scalar without Intel's SVML, 6x slower than torch's
-vectorised silu at 128 rows. At batch 1 each call's fixed cost is most of it: rows below
-``PARALLEL_GRAIN`` run the serial build without touching the thread counts, and rotary takes
-``q`` and ``k`` in one call (SmolLM2, a layer at one token: rotary 29 -> 21 us, RMSNorm 17.7 ->
-14.7).
+vectorised silu at 128 rows. Rotary takes ``q`` and ``k`` in one call (SmolLM2, a layer at
+one token: 29 -> 21 us).
+
+One serial build each, for every batch: a parallel build for big batches rounds differently
+(fastmath lets each build vectorize its reductions its own way), so a row's bits, and then a
+seeded sample, would depend on the batch around it; the recovery and chaos tests, which check
+streams token for token against a fault-free run, failed that way. (Until session 5 the
+parallel builds had in fact run serially: numba's cache keyed both builds alike.)
 """
 
 import numba
@@ -14,18 +18,14 @@ import numpy as np
 import torch
 
 from kernels import reference
-from kernels.numba_common import cpu_float32, numba_follows_torch, serial_and_parallel
-
-# Row-wise ops below this many elements run on one thread, as torch's elementwise ops do below
-# their grain size: waking the second thread cost more than it saved at a decode batch of 128
-# (rotary 345 us on two threads against 197 us on one).
-PARALLEL_GRAIN = 1 << 16
+from kernels.numba_common import SERIAL, cpu_float32
 
 
-def _rms_norm_rows(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float,
-                   add: bool, out: np.ndarray, res_out: np.ndarray) -> None:  # pragma: no cover
+@numba.njit(**SERIAL)
+def _rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float,
+              add: bool, out: np.ndarray, res_out: np.ndarray) -> None:  # pragma: no cover
     rows, size = x.shape
-    for r in numba.prange(rows):
+    for r in range(rows):
         total = np.float32(0.0)
         for i in range(size):
             v = x[r, i] + residual[r, i] if add else x[r, i]
@@ -34,9 +34,6 @@ def _rms_norm_rows(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps:
         inv = np.float32(1.0) / np.sqrt(total / np.float32(size) + np.float32(eps))
         for i in range(size):
             out[r, i] = weight[i] * (res_out[r, i] * inv)
-
-
-_rms_norm = serial_and_parallel(_rms_norm_rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -52,19 +49,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_in = residual.contiguous() if residual is not None else x
     args = (x.numpy(), res_in.numpy(), weight.detach().numpy(), eps, residual is not None,
             out.numpy(), res_out.numpy())
-    if x.numel() < PARALLEL_GRAIN:
-        _rms_norm[0](*args)
-    else:
-        with numba_follows_torch():
-            _rms_norm[1](*args)
+    _rms_norm(*args)
     return out, res_out
 
 
-def _rotary_rows(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+@numba.njit(**SERIAL)
+def _rotary(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  positions: np.ndarray, out_q: np.ndarray,
                  out_k: np.ndarray) -> None:  # pragma: no cover
     half = q.shape[2] // 2
-    for t in numba.prange(q.shape[0]):
+    for t in range(q.shape[0]):
         p = positions[t]
         for h in range(q.shape[1]):
             for d in range(half):
@@ -78,9 +72,6 @@ def _rotary_rows(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 out_k[t, h, d + half] = x2 * cos[p, d + half] + x1 * sin[p, d + half]
 
 
-_rotary = serial_and_parallel(_rotary_rows)
-
-
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.reference.rotary``'s contract in one pass over ``q`` and ``k``, reading the
@@ -91,9 +82,5 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     out_k = torch.empty(k.shape, dtype=k.dtype)
     args = (q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), positions.numpy(), out_q.numpy(),
             out_k.numpy())  # strided views of the fused qkv output are read as they are
-    if q.numel() + k.numel() < PARALLEL_GRAIN:
-        _rotary[0](*args)
-    else:
-        with numba_follows_torch():
-            _rotary[1](*args)
+    _rotary(*args)
     return out_q, out_k

@@ -1,8 +1,7 @@
-"""What the numba CPU kernels share: the thread pool sized as torch's, serial and parallel
-builds of one kernel, and softmax rows."""
+"""What the numba CPU kernels share: their flags, the thread pool sized as torch's, and softmax
+rows."""
 
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numba
@@ -32,19 +31,6 @@ def cpu_float32(*tensors: torch.Tensor) -> bool:
 
 JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
 SERIAL = JIT | {"parallel": False}
-
-
-def serial_and_parallel(kernel: Callable) -> tuple[Callable, Callable]:
-    """The serial and the parallel (``prange``) build of ``kernel``. numba's on-disk cache
-    names an entry by the function's qualified name and signature, not by its flags: two
-    builds of one function load each other's, and whichever compiled first wins. Until
-    session 5 the "parallel" RMSNorm and rotary ran on one thread that way (seen as a
-    parallel build that never started numba's threads). The parallel build compiles a copy
-    of the function under a name of its own."""
-    twin = types.FunctionType(kernel.__code__, kernel.__globals__, f"{kernel.__name__}_parallel",
-                              kernel.__defaults__, kernel.__closure__)
-    twin.__qualname__ = f"{kernel.__qualname__}_parallel"
-    return numba.njit(**SERIAL)(kernel), numba.njit(**JIT)(twin)
 
 
 @numba.njit(fastmath=True, cache=True, nogil=True, error_model="numpy")

@@ -44,27 +44,6 @@ def test_decode_matches_reference(group: int, head_dim: int, block_size: int) ->
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("context", [1025, 1500, 2049])
-def test_decode_splits_a_long_sequence(context: int) -> None:
-    """A sequence past 1,024 tokens is split into parts computed apart and merged (flash
-    decoding), alone and in a batch; the same sequence gives the same bits in any batch."""
-    gen = torch.Generator().manual_seed(context)
-    q = torch.randn(3, 6, 32, generator=gen)
-    k, v = (torch.randn(160, 16, 2, 32, generator=gen) for _ in range(2))
-    tables = torch.stack([torch.randperm(160, generator=gen)[:140] for _ in range(3)]).int()
-    ctx = torch.tensor([context, 37, 900], dtype=torch.int32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        batch = cpu_ops.paged_attention_decode(q, k, v, tables, ctx, 0.125)
-        alone = cpu_ops.paged_attention_decode(q[:1], k, v, tables[:1], ctx[:1], 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    expected = reference.paged_attention_decode(q, k, v, tables, ctx, 0.125)
-    torch.testing.assert_close(batch, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(alone[0], batch[0])
-
-
 def test_decode_other_dtypes_fall_back() -> None:
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
@@ -92,28 +71,6 @@ def test_decode_keeps_torch_thread_count() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out[:2] == ["1", "1"], out
-
-
-def test_parallel_builds_are_parallel(tmp_path) -> None:
-    """The parallel build of each row-wise kernel runs numba's threads, compiled fresh and
-    loaded from numba's cache (a cache entry shared with the serial build made it serial).
-    The serial build is compiled first, as a batch-1 step does; the threads are never
-    started by ``numba.set_num_threads`` here, only by a parallel region."""
-    code = (
-        "import numpy as np\n"
-        "import numba.np.ufunc.parallel as parallel\n"
-        "from kernels import cpu_rows\n"
-        "x = np.ones((64, 576), np.float32)\n"
-        "args = (x, x, x[0], 1e-5, True, np.empty_like(x), np.empty_like(x))\n"
-        "cpu_rows._rms_norm[0](*args)\n"
-        "assert not parallel._is_initialized\n"
-        "cpu_rows._rms_norm[1](*args)\n"
-        "print(parallel._is_initialized)\n")
-    env = {**os.environ, "NUMBA_NUM_THREADS": "2", "NUMBA_CACHE_DIR": str(tmp_path)}
-    for _ in ("compiled", "cached"):
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, check=True).stdout.split()
-        assert out == ["True"], out
 
 
 def test_default_backend_on_cpu() -> None:
