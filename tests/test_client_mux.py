@@ -100,3 +100,26 @@ def test_an_async_client_holds_10000_streams(redis_url) -> None:
             return texts
 
     assert asyncio.run(scenario()) == [f"t{i + 1}" for i in range(STREAMS)]
+
+
+def test_a_reader_joining_mid_read_gets_every_entry_in_order() -> None:
+    """A second reader of a job subscribes while a read is in flight that starts past its
+    cursor (the first reader's): it must not take that reply's later entries as its first ones
+    (seen as a result() holding only the last tokens while a stream() of the same job ran)."""
+    import queue as stdlib_queue
+
+    from producer.mux import Streams, Subscription
+
+    streams, key = Streams(), results_key("j")
+    first = Subscription("j", stdlib_queue.SimpleQueue())
+    streams.add(first)
+    first.cursor = streams.cursors[key] = "5-0"  # it has read entries 1..5
+    assert streams.request()["streams"][key] == "5-0"
+    late = Subscription("j", stdlib_queue.SimpleQueue())
+    streams.add(late)
+    got = streams.dispatch([[key, [("6-0", {}), ("7-0", {})]]])
+    assert [(sub is first, [e[0] for e in entries]) for sub, entries in got] == [
+        (True, ["6-0", "7-0"])]
+    assert streams.request()["streams"][key] == "0-0"  # the next read serves the late one
+    got = streams.dispatch([[key, [(f"{i}-0", {}) for i in range(1, 8)]]])
+    assert [(sub is late, len(entries)) for sub, entries in got] == [(True, 7)]
