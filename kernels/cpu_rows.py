@@ -47,16 +47,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     res_in = residual.contiguous() if residual is not None else x
-    args = (x.numpy(), res_in.numpy(), weight.detach().numpy(), eps, residual is not None,
-            out.numpy(), res_out.numpy())
-    _rms_norm(*args)
+    _rms_norm(x.numpy(), res_in.numpy(), weight.detach().numpy(), eps, residual is not None,
+              out.numpy(), res_out.numpy())
     return out, res_out
 
 
 @numba.njit(**SERIAL)
 def _rotary(q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                 positions: np.ndarray, out_q: np.ndarray,
-                 out_k: np.ndarray) -> None:  # pragma: no cover
+            positions: np.ndarray, out_q: np.ndarray,
+            out_k: np.ndarray) -> None:  # pragma: no cover
     half = q.shape[2] // 2
     for t in range(q.shape[0]):
         p = positions[t]
@@ -80,7 +79,6 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return reference.rotary(q, k, cos, sin, positions)
     out_q = torch.empty(q.shape, dtype=q.dtype)
     out_k = torch.empty(k.shape, dtype=k.dtype)
-    args = (q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), positions.numpy(), out_q.numpy(),
+    _rotary(q.numpy(), k.numpy(), cos.numpy(), sin.numpy(), positions.numpy(), out_q.numpy(),
             out_k.numpy())  # strided views of the fused qkv output are read as they are
-    _rotary(*args)
     return out_q, out_k

@@ -33,7 +33,7 @@ JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True, "error_
 SERIAL = JIT | {"parallel": False}
 
 
-@numba.njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
+@numba.njit(**SERIAL)
 def softmax_numerators(scores: np.ndarray, length: int) -> np.ndarray:  # pragma: no cover
     """Replaces each row's first ``length`` scores by ``exp(score - row max)`` in place and
     returns the rows' sums (the denominators)."""

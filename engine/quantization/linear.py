@@ -63,6 +63,7 @@ class IntQuantLinear(nn.Module):
             self.layout = "triton"
             self.packed = triton_quant.pack(*(t.to(device) for t in (
                 w.qweight, w.scales, w.zeros, w.g_idx)), w.bits)
+            self.triton_linear = triton_quant.int_linear
         else:
             self.layout = "dequantize"
             for name in ("qweight", "scales", "zeros", "g_idx"):
@@ -76,9 +77,7 @@ class IntQuantLinear(nn.Module):
         if self.layout == "dense":
             return F.linear(x, self.weight, self.bias)
         if self.layout == "triton":
-            from kernels import triton_quant
-
-            return triton_quant.int_linear(x, self.packed, self.bias)
+            return self.triton_linear(x, self.packed, self.bias)
         return quant_reference.int_linear(x, self.qweight, self.scales, self.zeros, self.g_idx,
                                           self.bias)
 
