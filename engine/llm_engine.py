@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
@@ -141,6 +142,11 @@ class LLMEngine:
                 text = request.detokenizers[seq.seq_id].pop_delta(finished=True)
                 samples.append(SampleDelta(seq.index, [], text, finish_reason="abort"))
         return RequestDelta(request_id, samples, finished=True)
+
+    def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+        """Each token's text decoded alone, as vLLM names logprob tokens (a piece of a
+        multi-byte character reads U+FFFD): what a reader without the tokenizer shows."""
+        return {t: self.tokenizer.decode([t]) for t in set(token_ids)}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

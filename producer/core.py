@@ -69,6 +69,7 @@ class SampleOutput(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    tokens: dict[int, str] | None = None  # with logprobs: each token id's own text
     usage: Usage | None = None
     cum_logprob: float | None = None  # beam search
 
@@ -140,6 +141,8 @@ def fold(job_id: str, events: list[Event]) -> JobResult:
             out.token_ids += e.token_ids
             if e.logprobs is not None:
                 out.logprobs = (out.logprobs or []) + e.logprobs
+            if e.tokens is not None:
+                out.tokens = (out.tokens or {}) | e.tokens
         else:
             out.finish_reason, out.usage, out.cum_logprob = e.finish_reason, e.usage, e.cum_logprob
     return JobResult(id=job_id, status=status_of(events),

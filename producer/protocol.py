@@ -151,6 +151,9 @@ class Chunk(_Strict):
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
+    # with logprobs: the text of each token id named in token_ids and logprobs, decoded alone
+    # (vLLM's logprob tokens), so that readers without the tokenizer can show them
+    tokens: dict[int, str] | None = None
 
 
 class Done(_Strict):

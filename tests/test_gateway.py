@@ -11,6 +11,7 @@ import openai
 import pytest
 import redis
 from test_worker import reference, wait_for
+from transformers import AutoTokenizer
 
 from engine import LLM, BeamSearchParams
 from producer import Client
@@ -78,15 +79,20 @@ def test_n_prompts_logprobs_and_stop(stack, tiny_llama) -> None:
     sampled = {"model": QUEUE, "prompt": [[5, 6, 7], [8, 9, 10, 11]], "n": 2, "max_tokens": 6,
                "temperature": 0.8, "seed": 3, "logprobs": 2}
     refs = expected(tiny_llama, CompletionRequest(**sampled))
+    name = AutoTokenizer.from_pretrained(tiny_llama).decode  # a token's text, decoded alone
     answer = client.completions.create(**sampled)
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]  # prompt i, sample j: i * n + j
     for choice in answer.choices:
         out = refs[choice.index // 2].outputs[choice.index % 2]
         assert choice.text == out.text
-        assert choice.logprobs.tokens == [f"token_id:{t}" for t in out.token_ids]
+        assert choice.logprobs.tokens == [name([t]) for t in out.token_ids]
         assert choice.logprobs.token_logprobs == pytest.approx(
             [lp[t] for t, lp in zip(out.token_ids, out.logprobs, strict=True)], abs=1e-5)
-        assert all(2 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+        # vLLM's rule: the top `logprobs` tokens plus the chosen one (2 or 3), named by their
+        # text (two byte tokens may both read U+FFFD: one key, as in vLLM's legacy format)
+        assert all(2 <= len(lp) <= 3 for lp in out.logprobs)
+        assert [set(top) for top in choice.logprobs.top_logprobs] == \
+            [{name([k]) for k in lp} for lp in out.logprobs]
     streamed = client.completions.create(**sampled, stream=True)
     texts = ["", "", "", ""]
     for chunk in streamed:
@@ -95,7 +101,10 @@ def test_n_prompts_logprobs_and_stop(stack, tiny_llama) -> None:
     chat = client.chat.completions.create(model=QUEUE, messages=[{"role": "user",
                                           "content": "hi"}], max_tokens=4, temperature=0,
                                           logprobs=True, top_logprobs=3)
-    assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+    content = chat.choices[0].logprobs.content
+    assert all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.bytes == list(t.token.encode()) and not t.token.startswith("token_id:")
+               for t in content + [top for t in content for top in t.top_logprobs])
     greedy = {"model": QUEUE, "prompt": "She sells sea shells by", "max_tokens": 30,
               "temperature": 0}
     text = client.completions.create(**greedy).choices[0].text
@@ -114,8 +123,8 @@ def test_beam_search_as_vllm_extra_parameters_equals_llm_beam_search(stack, tiny
                                                     length_penalty=0.5,
                                                     early_stopping=True))[0].sequences
     start = len(llm.tokenizer.encode(prompt))
-    beams = [[f"token_id:{t}" for t in s.tokens[start:]] for s in want]
-    assert len({tuple(b) for b in beams}) == 3  # three different beams, best first
+    beams = [[llm.tokenizer.decode([t]) for t in s.tokens[start:]] for s in want]
+    assert len({tuple(s.tokens) for s in want}) == 3  # three different beams, best first
     plain = client.completions.create(model=QUEUE, prompt=prompt, max_tokens=10, n=3, logprobs=0,
                                       extra_body={"use_beam_search": True, "length_penalty": 0.5,
                                                   "early_stopping": True})

@@ -21,6 +21,7 @@ becomes result events, RQ mirror transitions and acknowledgements in a Batch.
 
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import structlog
@@ -190,8 +191,11 @@ class Driver:
               batch: Batch) -> None:
         i = sample.index
         if sample.token_ids or sample.text:
+            tokens = None if sample.logprobs is None else \
+                self.engine.token_texts(chain(sample.token_ids, *sample.logprobs))
             state.emit(batch, Chunk(sample=i, seq=state.seq[i], text=sample.text,
-                                    token_ids=sample.token_ids, logprobs=sample.logprobs))
+                                    token_ids=sample.token_ids, logprobs=sample.logprobs,
+                                    tokens=tokens))
             state.seq[i] += 1
             state.token_ids[i] += sample.token_ids
             state.texts[i].append(sample.text)

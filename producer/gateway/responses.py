@@ -1,10 +1,12 @@
 """OpenAI's response bodies and stream chunks, built from pagedq's results and events.
 
 Decisions:
-- Tokens in ``logprobs`` are named ``token_id:{id}``, the format of vLLM's
-  ``--return-tokens-as-token-ids``: the gateway holds no tokenizer (the producer side never
-  imports transformers), and a token id is exact where a decoded piece of a multi-byte
-  character is not. ``text_offset`` and ``bytes`` are null for the same reason.
+- Tokens in ``logprobs`` are their text decoded alone, as vLLM's server shows them (a piece of
+  a multi-byte character reads U+FFFD), with ``bytes`` its UTF-8. The gateway holds no tokenizer
+  (the producer side never imports transformers): the worker sends each token's text with the
+  logprobs (``Chunk.tokens``). An event without it (from an older worker) names the token
+  ``token_id:{id}``, the format of vLLM's ``--return-tokens-as-token-ids``, with ``bytes``
+  null. ``text_offset`` is null.
 - Completions' ``top_logprobs`` hold what the engine returns: the top ``logprobs`` tokens plus
   the chosen one (vLLM's rule); chat's ``top_logprobs`` hold exactly ``top_logprobs`` entries.
 - ``finish_reason`` is the engine's: ``stop``, ``length``, or ``abort`` (canceled) and
@@ -20,8 +22,11 @@ from ..protocol import Chunk, Done, Usage
 from .schemas import ChatCompletionRequest, Request
 
 
-def token_name(token_id: int) -> str:
-    return f"token_id:{token_id}"
+def _token(token_id: int, texts: dict[int, str] | None) -> tuple[str, list[int] | None]:
+    """A logprob token's name and bytes."""
+    if texts is None or token_id not in texts:
+        return f"token_id:{token_id}", None
+    return texts[token_id], list(texts[token_id].encode())
 
 
 def usage_body(usages: list[Usage]) -> dict[str, int]:
@@ -50,19 +55,23 @@ class Formatter:
         """The ids of the request's jobs: one per prompt."""
         return [f"{self.id}-{i}" for i in range(count)]
 
-    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None
-                 ) -> dict[str, Any] | None:
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                 texts: dict[int, str] | None) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` of a choice; ``texts``: each token id's text, where known."""
         if logprobs is None:
             return None
         if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                name, raw = _token(token_id, texts)
+                return {"token": name, "logprob": logprob, "bytes": raw}
             return {"content": [
-                {"token": token_name(t), "logprob": lp[t], "bytes": None,
-                 "top_logprobs": [{"token": token_name(k), "logprob": v, "bytes": None}
-                                  for k, v in list(lp.items())[:self.top]]}
+                entry(t, lp[t]) | {"top_logprobs": [entry(k, v)
+                                                    for k, v in list(lp.items())[:self.top]]}
                 for t, lp in zip(token_ids, logprobs, strict=True)], "refusal": None}
-        return {"tokens": [token_name(t) for t in token_ids],
+        return {"tokens": [_token(t, texts)[0] for t in token_ids],
                 "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
-                "top_logprobs": [{token_name(k): v for k, v in lp.items()} for lp in logprobs],
+                "top_logprobs": [{_token(k, texts)[0]: v for k, v in lp.items()}
+                                 for lp in logprobs],
                 "text_offset": None}
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
@@ -86,7 +95,7 @@ class Formatter:
         """The whole response of a request whose jobs (one per prompt) have ended."""
         n = self.request.n
         choices = [self._choice(i * n + out.index, out.text,
-                                self.logprobs(out.token_ids, out.logprobs),
+                                self.logprobs(out.token_ids, out.logprobs, out.tokens),
                                 out.finish_reason, delta=False)
                    for i, result in enumerate(results) for out in result.outputs]
         usages = [r.usage for r in results if r.usage is not None]
@@ -106,7 +115,8 @@ class Formatter:
             choice = self._choice(index, "", None, event.finish_reason, delta=True)
         else:
             choice = self._choice(index, event.text,
-                                  self.logprobs(event.token_ids, event.logprobs), None,
+                                  self.logprobs(event.token_ids, event.logprobs, event.tokens),
+                                  None,
                                   delta=True)
         return self._envelope([choice], chunk=True)
 
