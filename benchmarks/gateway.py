@@ -8,12 +8,14 @@ would in a deployment: its own process, the SDK's parsing in the client.
 
 1. Trace: --num-requests requests of random token ids (--prompt-len), arriving with
    exponential gaps at --rate per second (seeded), each greedy with ``ignore_eos`` and
-   max_tokens uniform in [--min-output, --max-output]; both paths stream (SDK:
-   ``completions.create(stream=True)`` with the ids as the prompt; Client: ``submit`` +
-   ``stream()``). The paths alternate, --repeats rounds of (gateway, client). Figures: tok/s
-   over a round's wall (first send to last token), TTFT (send to first token) p50 per path;
-   the ratio of the best gateway tok/s to the best client tok/s, and the gateway's median TTFT
-   p50 less the client's. Greedy agreement: every request's text equal on both paths.
+   max_tokens uniform in [--min-output, --max-output]; every path streams (SDK:
+   ``completions.create(stream=True)`` with the ids as the prompt; plain HTTP: the same JSON
+   posted with httpx, its SSE lines parsed here, which tells the gateway's own cost from the
+   SDK's work in the client; Client: ``submit`` + ``stream()``). The paths alternate, --repeats
+   rounds of (gateway, http, client). Figures: tok/s over a round's wall (first send to last
+   token), TTFT (send to first token) p50 per path; the ratio of the best gateway tok/s to the
+   best client tok/s, and the median TTFT p50 of each gateway path less the client's. Greedy
+   agreement: every request's text equal on every path.
 2. Streams: --streams chat requests at once, streamed, to a queue whose only worker is a live
    RQ record that reads nothing: each request is admitted (200, its role chunk sent) and held
    open. Counted once the SDK returns the stream; then the gateway's RSS and open files; then
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -106,6 +109,27 @@ async def via_gateway(sdk: openai.AsyncOpenAI, request: dict[str, Any]) -> dict[
     return {"ttft": first - sent, "tokens": tokens, "text": text}
 
 
+async def via_http(http: httpx2.AsyncClient, base_url: str, request: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The gateway without the SDK: the same request as JSON, its SSE lines read as they come
+    (what the gateway itself adds, apart from the SDK's own work in the client)."""
+    sent, first, text, tokens = time.perf_counter(), None, "", 0
+    body = {"model": QUEUE, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    async with http.stream("POST", f"{base_url}/completions", json=body,
+                           headers={"Authorization": f"Bearer {KEY}"}) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and first is None:
+                first = time.perf_counter()
+            text += "".join(c["text"] for c in chunk["choices"])
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
+    return {"ttft": first - sent, "tokens": tokens, "text": text}
+
+
 async def via_client(client: AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
     sent, first, text, tokens = time.perf_counter(), None, "", 0
     job = await client.submit(request["prompt"], max_tokens=request["max_tokens"],
@@ -147,13 +171,15 @@ async def trace_part(args: argparse.Namespace, base_url: str, redis_url: str,
                      requests: list[dict[str, Any]], gateway_pid: int) -> dict[str, Any]:
     http = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=None), timeout=600)
     sdk = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, http_client=http, max_retries=0)
-    rounds: dict[str, list[dict[str, Any]]] = {"gateway": [], "client": []}
+    rounds: dict[str, list[dict[str, Any]]] = {"gateway": [], "http": [], "client": []}
     async with AsyncClient(redis_url, QUEUE) as client:
-        await run_round(lambda r: via_client(client, r), requests[:4], gateway_pid)  # warm-up
-        await run_round(lambda r: via_gateway(sdk, r), requests[:4], gateway_pid)
+        paths = (("gateway", lambda r: via_gateway(sdk, r)),
+                 ("http", lambda r: via_http(http, base_url, r)),
+                 ("client", lambda r: via_client(client, r)))
+        for _, send in paths:  # warm-up
+            await run_round(send, requests[:4], gateway_pid)
         for i in range(args.repeats):
-            for name, send in (("gateway", lambda r: via_gateway(sdk, r)),
-                               ("client", lambda r: via_client(client, r))):
+            for name, send in paths:
                 result = await run_round(send, requests, gateway_pid)
                 rounds[name].append(result)
                 log(f"round {i} {name}: {result['tok_s']:.1f} tok/s, TTFT p50 "
@@ -168,7 +194,18 @@ async def trace_part(args: argparse.Namespace, base_url: str, redis_url: str,
                        for n, rs in rounds.items()},
             "best_tok_s": best, "throughput_ratio": best["gateway"] / best["client"],
             "ttft_p50_ms": ttft, "added_ttft_p50_ms": ttft["gateway"] - ttft["client"],
+            "added_ttft_p50_ms_without_sdk": ttft["http"] - ttft["client"],
             "greedy_agreement": agree}
+
+
+def run(main: Any, loop: str) -> Any:
+    """``main`` on asyncio's own event loop, or on uvloop's (as a client inside a uvicorn app
+    would be)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def main() -> None:
@@ -184,6 +221,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="this process's event loop (uvicorn runs the gateway on uvloop)")
     args = parser.parse_args()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = model_path(args.model)
@@ -200,12 +239,12 @@ def main() -> None:
         sdk = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
         wait(lambda: any(m.id == QUEUE for m in sdk.models.list().data), "the worker")
         if "trace" in args.parts:
-            result["trace"] = asyncio.run(trace_part(args, base_url, server.url,
-                                                     trace(args, path), procs[1].pid))
+            result["trace"] = run(trace_part(args, base_url, server.url, trace(args, path),
+                                             procs[1].pid), args.client_loop)
         if "streams" in args.parts:
             register_worker(redis.Redis.from_url(server.url), "asleep", [HOLD], ttl=600)
             wait(lambda: any(m.id == HOLD for m in sdk.models.list().data), "the hold queue")
-            result["streams"] = asyncio.run(streams_part(args, base_url, procs[1].pid))
+            result["streams"] = run(streams_part(args, base_url, procs[1].pid), args.client_loop)
     finally:
         for proc in procs:
             proc.terminate()
@@ -218,9 +257,10 @@ def main() -> None:
         rows += [["throughput ratio (gateway / client)", f"{t['throughput_ratio']:.3f}"],
                  ["best tok/s gateway / client",
                   f"{t['best_tok_s']['gateway']:.1f} / {t['best_tok_s']['client']:.1f}"],
-                 ["TTFT p50 gateway / client (ms)",
-                  f"{t['ttft_p50_ms']['gateway']:.1f} / {t['ttft_p50_ms']['client']:.1f}"],
-                 ["added TTFT p50 (ms)", f"{t['added_ttft_p50_ms']:.1f}"],
+                 ["TTFT p50 gateway (SDK) / gateway (plain HTTP) / client (ms)",
+                  " / ".join(f"{t['ttft_p50_ms'][p]:.1f}" for p in ("gateway", "http", "client"))],
+                 ["added TTFT p50 (ms), SDK", f"{t['added_ttft_p50_ms']:.1f}"],
+                 ["added TTFT p50 (ms), plain HTTP", f"{t['added_ttft_p50_ms_without_sdk']:.1f}"],
                  ["gateway CPU per token, gateway rounds (ms)",
                   f"{min(r['gateway_cpu_ms_per_token'] for r in t['rounds']['gateway']):.3f}"],
                  ["greedy agreement", "agree" if t["greedy_agreement"] else "DIFFER"]]

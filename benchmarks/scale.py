@@ -4,8 +4,10 @@ has two cores: two workers can use both). The burst: --jobs jobs submitted at on
 token-id prompts of [--min-prompt, --max-prompt] tokens, n cycling through --n (each sample
 counts against a worker's --max-num-seqs), greedy, ignore_eos, --max-tokens each.
 
-Prints per run the wall time from the submit to the last result, jobs per second and how the
-jobs split between the workers (the RQ record's worker_name), then the ratio of the best
+Prints per run the wall time from the submit to the last result, jobs per second, how the
+jobs split between the workers (the RQ record's worker_name) and when each worker's last job
+ended (its ``ended_at``, from the submit: the gap between them is the tail one worker ran
+alone), then the ratio of the best
 two-worker run to the best one-worker run, whether every job's tokens were the same in every
 run (greedy), and the load average (above 2: other processes shared the cores).
 
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +60,7 @@ def spawn(url: str, model: Path, name: str, args: argparse.Namespace) -> subproc
 
 
 def run(url: str, model: Path, workers: int, specs: list[dict], args: argparse.Namespace,
-        tag: str) -> tuple[float, Counter, list[list[list[int]]]]:
+        tag: str) -> tuple[float, Counter, dict[str, float], list[list[list[int]]]]:
     client = Client(url, queue=QUEUE, max_queue_len=None)
     client.redis.flushall()
     names = [f"{tag}-w{i}" for i in range(workers)]
@@ -67,18 +70,23 @@ def run(url: str, model: Path, workers: int, specs: list[dict], args: argparse.N
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError("a worker exited while starting")
             time.sleep(0.2)
-        start = time.perf_counter()
+        start, submitted = time.perf_counter(), time.time()
         handles = client.submit_many(specs)
         results = [h.result(timeout=600) for h in handles]
         seconds = time.perf_counter() - start
-        split = Counter(client.redis.hget(job_key(h.id), "worker_name") for h in handles)
+        records = [client.redis.hmget(job_key(h.id), "worker_name", "ended_at") for h in handles]
+        split = Counter(name for name, _ in records)
+        last_end: dict[str, float] = {}
+        for name, ended in records:
+            at = datetime.strptime(ended, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+            last_end[name] = max(last_end.get(name, 0.0), at.timestamp() - submitted)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(60)
         client.close()
-    return seconds, split, [[o.token_ids for o in r.outputs] for r in results]
+    return seconds, split, last_end, [[o.token_ids for o in r.outputs] for r in results]
 
 
 def main() -> None:
@@ -108,16 +116,18 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for workers in (1, 2):
                     log(f"repeat {repeat}: {workers} worker(s)")
-                    seconds, split, tokens = run(server.url, model, workers, specs, args,
-                                                 f"r{repeat}n{workers}")
+                    seconds, split, last_end, tokens = run(server.url, model, workers, specs,
+                                                           args, f"r{repeat}n{workers}")
                     best[workers] = min(best[workers], seconds)
                     outputs.append(tokens)
                     rows.append([repeat, workers, round(seconds, 2),
                                  round(args.jobs / seconds, 1),
-                                 " / ".join(str(c) for _, c in sorted(split.items()))])
+                                 " / ".join(str(c) for _, c in sorted(split.items())),
+                                 " / ".join(f"{t:.2f}" for _, t in sorted(last_end.items()))])
         finally:
             server.stop()
-    print(format_table(["repeat", "workers", "seconds", "jobs/s", "jobs per worker"], rows))
+    print(format_table(["repeat", "workers", "seconds", "jobs/s", "jobs per worker",
+                        "last job ended (s)"], rows))
     same = all(o == outputs[0] for o in outputs)
     print(f"\n{args.jobs} jobs (n cycling {ns}, {args.max_tokens} tokens each, model "
           f"{args.model}): 2 workers / 1 worker = {best[1] / best[2]:.2f}x (best runs); "

@@ -28,6 +28,36 @@ from .protocol import Error, Event, cancel_key, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply
 
 
+class FairPool(BlockingConnectionPool):
+    """redis-py's asyncio ``BlockingConnectionPool`` with a FIFO gate in front: no more callers
+    reach its pool than it has connections. Without it, a waiter woken for a freed connection
+    queues again for the pool's lock behind every other waiter, so 10,000 concurrent
+    ``result()`` calls cost O(n²) and, on two loaded cores, some waited past ``pool_timeout``
+    ("No connection available" after 30 s; measured, once in CI)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = asyncio.Semaphore(self.max_connections)
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.gate.acquire()
+        except TimeoutError as err:
+            raise redis.ConnectionError("No connection available.") from err
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except BaseException:
+            self.gate.release()
+            raise
+
+    async def release(self, connection: Any) -> None:
+        try:
+            await super().release(connection)
+        finally:
+            self.gate.release()
+
+
 class AsyncMux:
     """``producer.mux.Mux`` for asyncio: the reader is a task, started by the first
     subscription (it runs in that loop: an ``AsyncClient`` belongs to one loop)."""
@@ -37,8 +67,8 @@ class AsyncMux:
         self.streams = Streams()
         self.task: asyncio.Task | None = None
 
-    async def subscribe(self, job_id: str) -> Subscription:
-        sub = Subscription(job_id, asyncio.Queue())
+    async def subscribe(self, job_id: str, cursor: str = "0-0") -> Subscription:
+        sub = Subscription(job_id, asyncio.Queue(), cursor)
         wake = self.streams.add(sub)
         if self.task is None:
             self.task = asyncio.create_task(self._run(), name="pagedq-reader")
@@ -80,9 +110,18 @@ class AsyncJobHandle:
     def __repr__(self) -> str:
         return f"AsyncJobHandle({self.id!r})"
 
-    async def _read(self, reader: Reader) -> AsyncIterator[Event]:
+    async def _read(self, reader: Reader, backlog: bool = False) -> AsyncIterator[Event]:
+        """As ``JobHandle._read``."""
+        cursor = "0-0"
+        if backlog:
+            entries = await self.client.redis.xrange(results_key(self.id))
+            for event in reader.feed(entries):
+                yield event
+            cursor = entries[-1][0] if entries else cursor
+        if reader.done:
+            return
         mux = self.client.mux
-        sub = await mux.subscribe(self.id)
+        sub = await mux.subscribe(self.id, cursor)
         try:
             while not reader.done:
                 left = reader.left()  # raises TimeoutError once the time is up
@@ -107,7 +146,8 @@ class AsyncJobHandle:
 
     async def result(self, timeout: float | None = None) -> JobResult:
         """Waits up to ``timeout`` seconds for the job to end and returns its outputs."""
-        return core.fold(self.id, [event async for event in self._read(Reader(self.id, timeout))])
+        return core.fold(self.id, [event async for event in
+                                   self._read(Reader(self.id, timeout), backlog=True)])
 
     async def status(self) -> str:
         """``queued``, ``started``, ``finished``, ``failed`` or ``canceled``."""
@@ -126,7 +166,7 @@ class AsyncClient:
                  pool_timeout: float = POOL_TIMEOUT) -> None:
         self.queue, self.max_queue_len, self.cancel_ttl = queue, max_queue_len, cancel_ttl
         retry = Retry(ExponentialBackoff(cap=backoff_cap, base=backoff_base), retries)
-        pool = BlockingConnectionPool.from_url(
+        pool = FairPool.from_url(
             redis_url, max_connections=max_connections, timeout=pool_timeout,
             decode_responses=True, retry=retry,
             retry_on_error=[redis.ConnectionError, redis.TimeoutError])  # redis-py < 6 needs it

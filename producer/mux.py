@@ -42,8 +42,8 @@ class Subscription:
     """One reader of one job's result stream. ``inbox``: a ``queue.SimpleQueue`` (sync) or an
     ``asyncio.Queue`` of entry lists or exceptions."""
 
-    def __init__(self, job_id: str, inbox: Any) -> None:
-        self.key, self.inbox, self.cursor = results_key(job_id), inbox, "0-0"
+    def __init__(self, job_id: str, inbox: Any, cursor: str = "0-0") -> None:
+        self.key, self.inbox, self.cursor = results_key(job_id), inbox, cursor
 
 
 class Streams:
@@ -62,7 +62,7 @@ class Streams:
     def add(self, sub: Subscription) -> bool:
         """Registers ``sub``; True when a wake-up must be sent for it to join the read."""
         self.subs.setdefault(sub.key, []).append(sub)
-        self.cursors[sub.key] = sub.cursor  # "0-0": the least advanced there can be
+        self._advance(sub.key)
         wake, self.woken = not self.woken, True
         return wake
 
@@ -126,8 +126,9 @@ class Mux:
         self.thread: threading.Thread | None = None
         self.closed = False
 
-    def subscribe(self, job_id: str) -> Subscription:
-        sub = Subscription(job_id, queue.SimpleQueue())
+    def subscribe(self, job_id: str, cursor: str = "0-0") -> Subscription:
+        """Entries of the job's stream past ``cursor`` go to the subscription's inbox."""
+        sub = Subscription(job_id, queue.SimpleQueue(), cursor)
         with self.lock:
             wake = self.streams.add(sub)
             if self.thread is None:

@@ -68,6 +68,7 @@ def test_a_client_holds_1000_threads_streams_on_few_connections(redis_url) -> No
         for t in threads:
             t.start()
         while len(client.mux.streams.subs) < THREADS:
+            assert all(t.is_alive() for t in threads), "a waiter died before it subscribed"
             time.sleep(0.05)
         assert connections(redis_url) <= MAX_CONNECTIONS
         start = cpu()
@@ -91,6 +92,8 @@ def test_an_async_client_holds_10000_streams(redis_url) -> None:
 
             tasks = [asyncio.create_task(wait(j)) for j in job_ids]
             while len(client.mux.streams.subs) < STREAMS:
+                failed = [t for t in tasks if t.done()]  # a waiter that died never subscribes
+                assert not failed, failed[0].exception()
                 await asyncio.sleep(0.05)
             assert connections(redis_url) <= MAX_CONNECTIONS
             start = cpu()
@@ -123,3 +126,30 @@ def test_a_reader_joining_mid_read_gets_every_entry_in_order() -> None:
     assert streams.request()["streams"][key] == "0-0"  # the next read serves the late one
     got = streams.dispatch([[key, [(f"{i}-0", {}) for i in range(1, 8)]]])
     assert [(sub is late, len(entries)) for sub, entries in got] == [(True, 7)]
+
+
+def test_result_of_an_ended_job_reads_its_backlog_without_the_reader(redis_url) -> None:
+    """``result()`` first reads what the stream holds (one XRANGE): a job that has ended never
+    starts the reader; one still running gets the rest from the reader, past the backlog, each
+    event once."""
+    conn = redis.Redis.from_url(redis_url)
+    publish(redis_url, ["ended"])
+    with Client(redis_url) as client:
+        assert client.job("ended").result(timeout=5).outputs[0].text == "t1"
+        assert client.mux.thread is None
+        conn.xadd(results_key("running"), {EVENT_FIELD: EVENTS[0].replace("@", "a")})
+        later = threading.Timer(0.3, lambda: [conn.xadd(results_key("running"), {
+            EVENT_FIELD: e.replace("@", "b")}) for e in EVENTS])
+        later.start()
+        result = client.job("running").result(timeout=5)
+        later.join()
+        assert result.outputs[0].text == "tatb"  # backlog "ta", then the reader's "tb", once
+        assert result.usage.completion_tokens == 1
+
+    async def both() -> None:
+        async with AsyncClient(redis_url) as aclient:
+            assert (await aclient.job("ended").result(timeout=5)).outputs[0].text == "t1"
+            assert aclient.mux.task is None
+            assert (await aclient.job("running").result(timeout=5)).outputs[0].text == "tatb"
+
+    asyncio.run(both())
