@@ -1,5 +1,5 @@
-"""The CPU fast path: the numba decode attention against the torch reference, the engine on
-it, and the oneDNN-packed linear layers."""
+"""The CPU fast path: the numba attention against the torch reference (and its prefill against
+its decode, bit for bit), the engine on it, and the oneDNN-packed linear layers."""
 
 import os
 import subprocess
@@ -43,6 +43,34 @@ def test_decode_matches_reference(group: int, head_dim: int, block_size: int) ->
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_matches_reference_and_decode_bit_for_bit(group: int, block_size: int) -> None:
+    """Ragged prefills over cached prefixes (one token, a block boundary, a whole prompt) equal
+    the reference, and each token equals, bit for bit, the decode step that would compute it:
+    a resumed or re-chunked sequence then sees the bits its first run saw."""
+    gen = torch.Generator().manual_seed(group * 100 + block_size)
+    num_kv_heads, head_dim = 2, 64
+    contexts, queries = [1, 2 * block_size, 5 * block_size + 3, 70], [1, 3, 5 * block_size + 3, 9]
+    width = -(-max(contexts) // block_size)
+    tables = torch.randperm(len(contexts) * width, generator=gen).view(-1, width).int()
+    shape = (len(contexts) * width, block_size, num_kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    q = torch.randn(sum(queries), num_kv_heads * group, head_dim, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    out = cpu_ops.paged_attention_prefill(q, k, v, cu, tables, ctx, 0.125)
+    expected = reference.paged_attention_prefill(q, k, v, cu, tables, ctx, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for seq, (context, count) in enumerate(zip(contexts, queries, strict=True)):
+        for j in range(count):
+            row = int(cu[seq]) + j
+            one = cpu_ops.paged_attention_decode(
+                q[row:row + 1], k, v, tables[seq:seq + 1],
+                torch.tensor([context - count + j + 1], dtype=torch.int32), 0.125)
+            assert torch.equal(one[0], out[row]), (seq, j)
 
 def test_decode_other_dtypes_fall_back() -> None:
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
@@ -100,6 +128,17 @@ def test_packed_linear_matches_linear(rows: int) -> None:
     assert isinstance(model[0], PackedLinear)
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("in_features", [96, 1536])
+def test_packed_linear_row_has_the_same_bits_in_any_batch(in_features: int) -> None:
+    """Past 1,024 inputs oneDNN's one-row path sums another way; the layer pads a lone row."""
+    gen = torch.Generator().manual_seed(in_features)
+    layer = PackedLinear(torch.nn.Linear(in_features, 64))
+    x = torch.randn(300, in_features, generator=gen)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(300)])
+    for rows in (2, 3, 64, 300):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 def test_loaded_model_packs_every_linear(tiny_llama3) -> None:
     llm = LLM(str(tiny_llama3))  # tied embeddings

@@ -178,3 +178,41 @@ def test_kv_pool_sized_from_the_memory_budget(tiny_llama, make_llm) -> None:
     # never more than max_num_seqs sequences at the full context need
     capped = make_llm(tiny_llama, kv_cache_memory_gib=1.0, max_num_seqs=2, max_model_len=100)
     assert capped.stats()["kv_blocks_total"] == 2 * 7
+
+
+def test_a_token_has_the_same_bits_however_it_is_computed(tmp_path, make_llm) -> None:
+    """Decoded, recomputed after a resume, or prefilled in other chunks, a token's logprobs are
+    the same floats: so a seeded draw cannot flip where two tokens are nearly tied (the chaos
+    test once saw a top-p draw flip on logits 1.4e-6 apart). An MLP wider than 1,024 takes
+    oneDNN's other one-row path."""
+    from engine.llm_engine import Resume
+    from engine.random_model import build_random_checkpoint
+
+    model = build_random_checkpoint(tmp_path / "wide", "llama", intermediate_size=1280)
+    params = SamplingParams(n=2, temperature=0.9, top_p=0.8, seed=5, max_tokens=24,
+                            ignore_eos=True, logprobs=3)
+    prompt = [7 + (i * 13) % 400 for i in range(90)]
+    whole = make_llm(model, max_num_batched_tokens=512).engine
+    whole.add_request("r", prompt, params)
+    chunked = make_llm(model, max_num_batched_tokens=32).engine  # 3 prompt chunks
+    chunked.add_request("r", prompt, params)
+    runs = [_samples(whole), _samples(chunked)]
+    for cut in (1, 6, 17):
+        whole.add_request(f"cut{cut}", prompt, params, resume=[
+            Resume(runs[0][i][0][:cut], 0) for i in range(2)])
+        resumed = _samples(whole)
+        assert resumed == {i: (ids[cut:], logprobs[cut:])
+                           for i, (ids, logprobs) in runs[0].items()}, cut
+    assert runs[1] == runs[0]
+
+
+def _samples(engine) -> dict[int, tuple[list[int], list[dict[int, float]]]]:
+    """Each sample's tokens and logprobs from one finished request."""
+    out: dict[int, tuple[list[int], list[dict[int, float]]]] = {}
+    for deltas in _run(engine).values():
+        for delta in deltas:
+            for s in delta.samples:
+                ids, logprobs = out.setdefault(s.index, ([], []))
+                ids += s.token_ids
+                logprobs += s.logprobs or []
+    return out
