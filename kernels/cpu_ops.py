@@ -1,22 +1,23 @@
-"""The CPU fast path: the paged attention (decode and prefill, one arithmetic) and the KV store
-compiled by numba, the row-wise ops of ``kernels.cpu_rows``; the other ops from
-``kernels.reference``.
+"""The CPU fast path: the paged attention (decode and prefill over one per-token body) and the
+KV store, the row-wise ops of ``kernels.cpu_rows``; the other ops from ``kernels.reference``.
 
 The reference decode gathers each sequence's blocks into a padded copy and then runs SDPA over
-it: three passes over the KV bytes per layer and step, plus the padding. This kernel reads K and
-V once, straight from the pool, one sequence per task, so ragged rows cost only their own
-length. The prefill runs the same per-token body (see ``paged_attention_prefill`` for why):
-3x SDPA's time for one 512-token prompt (13.7 against 4.6 ms a layer at SmolLM2's heads, one
-thread). Only float32 tensors take these kernels (numba has no bfloat16); others use the
-reference. The store is one call where the reference takes a mask, its ``.all()`` and two
-``index_copy_`` (SmolLM2, a layer at one token: 29 -> 11 us).
+it: three passes over the KV bytes per layer and step, plus the padding. These read K and V
+once, straight from the pool, one token per task, so ragged rows cost only their own length.
+The per-token body is C (``kernels.cpu_native``: AVX2 intrinsics, built at first use) where it
+builds, else numba's ``_attend``; the prefill runs the same body as the decode (see
+``paged_attention_prefill`` for why). Only float32 tensors take these kernels (numba has no
+bfloat16); others use the reference. The store is one call where the reference takes a mask,
+its ``.all()`` and two ``index_copy_`` (SmolLM2, a layer at one token: 29 -> 11 us).
 """
+
+from collections.abc import Callable
 
 import numba
 import numpy as np
 import torch
 
-from kernels import reference
+from kernels import cpu_native, reference
 from kernels.cpu_rows import rms_norm, rotary  # noqa: F401  (re-exported:
 from kernels.numba_common import (  # the dispatch looks names up here)
     JIT,
@@ -92,6 +93,16 @@ def _prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tabl
         _attend(q[row], k_cache, v_cache, block_tables[seq], pos + 1, scale, out[row])
 
 
+NATIVE = True  # the C body where it builds (kernels.cpu_native); False: numba's everywhere
+
+
+def _loops(head_dim: int) -> tuple[Callable, Callable]:
+    """The decode and prefill loops, both over the same per-token body: the C one where it
+    built and head_dim is a multiple of its 8 lanes, numba's otherwise."""
+    native = cpu_native.launchers() if NATIVE and head_dim % 8 == 0 else None
+    return native or (_decode, _prefill)
+
+
 @numba.njit(**SERIAL)
 def _store(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
            slots: np.ndarray) -> None:  # pragma: no cover
@@ -125,9 +136,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale)
     out = torch.empty(q.shape, dtype=torch.float32)
+    decode, _ = _loops(q.shape[2])
     with numba_follows_torch():
-        _decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-                block_tables.numpy(), context_lens.numpy(), scale, out.numpy())
+        decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+               block_tables.contiguous().numpy(), context_lens.numpy(), scale, out.numpy())
     return out.to(q.dtype)
 
 
@@ -161,7 +173,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                                  block_tables, context_lens, scale)
     out = torch.empty(q.shape, dtype=torch.float32)
     rows = _prefill_rows(cu_seqlens_q, context_lens)
+    _, prefill = _loops(q.shape[2])
     with numba_follows_torch():
-        _prefill(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), block_tables.numpy(),
-                 rows, scale, out.numpy())
+        prefill(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+                block_tables.contiguous().numpy(), rows, scale, out.numpy())
     return out.to(q.dtype)

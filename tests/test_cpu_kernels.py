@@ -13,13 +13,23 @@ pytest.importorskip("numba")
 import kernels  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.cpu_linear import PackedLinear, can_pack, pack_linears  # noqa: E402
-from kernels import cpu_ops, reference  # noqa: E402
+from kernels import cpu_native, cpu_ops, reference  # noqa: E402
+
+
+@pytest.fixture(params=["native", "numba"])
+def body(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test below runs on both per-token attention bodies: the C one (built here: gcc and
+    AVX2 + FMA are on every machine the project runs on) and numba's fallback."""
+    if request.param == "native":
+        assert cpu_native.launchers() is not None, "the C attention did not build"
+    monkeypatch.setattr(cpu_ops, "NATIVE", request.param == "native")
+    return request.param
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_matches_reference(group: int, head_dim: int, block_size: int) -> None:
+def test_decode_matches_reference(group: int, head_dim: int, block_size: int, body: str) -> None:
     gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
     num_kv_heads = 2
     # ragged: one token, block boundaries, and long rows, in one batch
@@ -47,7 +57,8 @@ def test_decode_matches_reference(group: int, head_dim: int, block_size: int) ->
 
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_prefill_matches_reference_and_decode_bit_for_bit(group: int, block_size: int) -> None:
+def test_prefill_matches_reference_and_decode_bit_for_bit(group: int, block_size: int,
+                                                          body: str) -> None:
     """Ragged prefills over cached prefixes (one token, a block boundary, a whole prompt) equal
     the reference, and each token equals, bit for bit, the decode step that would compute it:
     a resumed or re-chunked sequence then sees the bits its first run saw."""
