@@ -65,3 +65,33 @@ def test_a_worker_holds_only_what_it_can_start_and_a_peer_takes_the_rest(
     assert split["w2"] >= 4, f"the peer took too little: {split}"
     assert client.redis.xlen(queue_key(QUEUE)) == 0  # every acknowledged entry was deleted
     assert all(isinstance(events_of(client.redis, h.id)[-1], End) for h in handles)
+
+
+def test_a_busy_read_takes_only_its_share_of_the_jobs(redis_url) -> None:
+    """Two live consumers holding nothing and 10 waiting jobs: a busy worker's read takes 5,
+    however many it has room for, then none while it holds its share; once its peer is silent
+    past the live time, the rest, up to its room."""
+    import redis
+
+    from producer.core import new_job
+    from worker.consumer import Consumer
+
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    mine, peer = (Consumer(conn, QUEUE, name, lambda: False) for name in ("mine", "peer"))
+    mine.ensure_group()
+    peer.ensure_group()  # the peer joins the group, before it has read anything
+    for i in range(10):
+        conn.xadd(queue_key(QUEUE), {"job": new_job(QUEUE, prompt=f"job {i}").model_dump_json()})
+
+    def read(count: int, live_ms: int) -> list:
+        with conn.pipeline(transaction=True) as pipe:
+            mine.read_in(pipe, count, live_ms)
+            return mine.arrived(pipe.execute(raise_on_error=False)[0])
+
+    first = read(100, live_ms=60_000)
+    assert len(first) == 5 and all(d.job is not None for d in first)
+    assert read(100, live_ms=60_000) == []  # it holds 5 of 10: its share
+    time.sleep(0.05)
+    assert len(read(2, live_ms=20)) == 2  # the peer is silent past 20 ms: its room caps it
+    assert len(read(100, live_ms=20)) == 3
+    assert read(100, live_ms=20) == []

@@ -167,7 +167,8 @@ class Worker:
         batch, self._batch = self._batch, Batch()
         self.publisher.send(
             batch, list(self.driver.jobs),
-            read=(lambda pipe: self.consumer.read_in(pipe, room)) if room > 0 else None)
+            read=(lambda pipe: self.consumer.read_in(pipe, room, self.settings.reclaim_idle_ms))
+            if room > 0 else None)
 
     def _metrics(self, tick: _Tick) -> None:
         self.metrics.tick(self.engine.stats)
