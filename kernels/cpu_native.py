@@ -77,25 +77,27 @@ def launchers() -> tuple[Callable, Callable] | None:
     if function is None:
         return None
 
+    @numba.njit(inline="always")
+    def attend_one(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
+                   length: int, scale: float, out: np.ndarray) -> None:  # pragma: no cover
+        # one token: q and out [heads, dim], table its blocks (cpu_ops._attend's signature)
+        function(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, table.ctypes.data,
+                 length, scale, out.ctypes.data, q.shape[0], k_cache.shape[2], q.shape[1],
+                 k_cache.shape[1])
+
     @numba.njit(parallel=True, nogil=True)
     def decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                block_tables: np.ndarray, context_lens: np.ndarray, scale: float,
                out: np.ndarray) -> None:  # pragma: no cover
-        heads, dim, block, kv_heads = q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2]
         for b in numba.prange(q.shape[0]):
-            function(q[b].ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
-                     block_tables[b].ctypes.data, context_lens[b], scale, out[b].ctypes.data,
-                     heads, kv_heads, dim, block)
+            attend_one(q[b], k_cache, v_cache, block_tables[b], context_lens[b], scale, out[b])
 
     @numba.njit(parallel=True, nogil=True)
     def prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                 block_tables: np.ndarray, rows: np.ndarray, scale: float,
                 out: np.ndarray) -> None:  # pragma: no cover
-        heads, dim, block, kv_heads = q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2]
         for r in numba.prange(rows.shape[0]):
             row, seq, pos = rows[r, 0], rows[r, 1], rows[r, 2]
-            function(q[row].ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
-                     block_tables[seq].ctypes.data, pos + 1, scale, out[row].ctypes.data,
-                     heads, kv_heads, dim, block)
+            attend_one(q[row], k_cache, v_cache, block_tables[seq], pos + 1, scale, out[row])
 
     return decode, prefill
