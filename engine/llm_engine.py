@@ -10,6 +10,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer
 
+import kernels
 from engine.beam_search import BeamSearcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -73,7 +74,9 @@ class LLMEngine:
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
                  quantization=self.quantization,
                  kv_blocks=num_blocks, block_size=config.block_size,
-                 max_model_len=self.max_model_len)
+                 max_model_len=self.max_model_len,
+                 **({"cpu_attention": kernels.cpu_attention_body()}
+                    if self.device.type == "cpu" else {}))
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,

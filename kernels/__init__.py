@@ -38,6 +38,16 @@ def default_backend(device: torch.device) -> str:
     return fast if fast in _BACKENDS else "torch"
 
 
+def cpu_attention_body() -> str:
+    """The per-token attention body the ``"cpu"`` backend runs in float32: ``"c"`` (built by
+    ``kernels.cpu_native``), ``"numba"``, or ``"torch"`` (the reference) without numba."""
+    if "cpu" not in _BACKENDS:
+        return "torch"
+    from kernels import cpu_native, cpu_ops
+
+    return "c" if cpu_ops.NATIVE and cpu_native.attend() is not None else "numba"
+
+
 def _resolve(name: str, device: torch.device, backend: str | None,
              fp8: bool = False) -> Callable:
     """The backend's op; a backend that has none of its own leaves it to the reference. An fp8

@@ -43,13 +43,8 @@ def _cpu_has(*flags: str) -> bool:
     return all(flag in line.split() for flag in flags)
 
 
-@cache
-def attend() -> ctypes._CFuncPtr | None:
-    """``pagedq_attend`` from the built library, or None where it cannot be had."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if os.environ.get("PAGEDQ_NATIVE_KERNELS", "1") == "0" or compiler is None or not _cpu_has(
-            "avx2", "fma"):
-        return None
+def _build(compiler: str) -> Path | None:
+    """The library, built unless the cache holds it; None if the compiler refuses."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()
     cache_dir = Path(os.environ.get("PAGEDQ_CACHE_DIR") or "~/.cache/pagedq").expanduser()
@@ -63,7 +58,23 @@ def attend() -> ctypes._CFuncPtr | None:
             os.unlink(tmp)
             return None
         os.replace(tmp, library)
-    function = ctypes.CDLL(str(library)).pagedq_attend
+    return library
+
+
+@cache
+def attend() -> ctypes._CFuncPtr | None:
+    """``pagedq_attend`` from the built library, or None where it cannot be had."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if os.environ.get("PAGEDQ_NATIVE_KERNELS", "1") == "0" or compiler is None or not _cpu_has(
+            "avx2", "fma"):
+        return None
+    try:
+        library = _build(compiler)
+        function = ctypes.CDLL(str(library)).pagedq_attend if library else None
+    except OSError:  # a cache folder it cannot write, a library it cannot load
+        return None
+    if function is None:
+        return None
     function.argtypes, function.restype = _ARGS, None
     return function
 
