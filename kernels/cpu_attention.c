@@ -48,6 +48,7 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
     float *scores = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * padded));
     float *qs = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * head_dim));
     float *acc = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * head_dim));
+    float *denom = malloc(sizeof(float) * (size_t)num_heads);
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)padded);
     /* each key's row in the pool, block by block; the padding repeats the last key */
     for (int64_t i = 0, t = 0; t < length; i++)
@@ -91,8 +92,8 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
         }
         float lanes[8];
         _mm256_storeu_ps(lanes, total);
-        qs[g * head_dim] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));  /* qs is spent */
+        denom[g] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                   ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     }
     /* out: keys in order, 8 at a time, into each head's accumulator */
     for (int64_t t0 = 0; t0 < length; t0 += 8) {
@@ -114,7 +115,7 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
         }
     }
     for (int64_t g = 0; g < num_heads; g++) {
-        const __m256 dv = _mm256_set1_ps(qs[g * head_dim]);
+        const __m256 dv = _mm256_set1_ps(denom[g]);
         for (int64_t d = 0; d < head_dim; d += 8)
             _mm256_storeu_ps(out + g * head_dim + d,
                              _mm256_div_ps(_mm256_load_ps(acc + g * head_dim + d), dv));
@@ -122,5 +123,6 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
     free(scores);
     free(qs);
     free(acc);
+    free(denom);
     free(offsets);
 }
