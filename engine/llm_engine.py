@@ -10,7 +10,6 @@ import structlog
 import torch
 from transformers import AutoTokenizer
 
-import kernels
 from engine.beam_search import BeamSearcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -75,8 +74,8 @@ class LLMEngine:
                  quantization=self.quantization,
                  kv_blocks=num_blocks, block_size=config.block_size,
                  max_model_len=self.max_model_len,
-                 **({"cpu_attention": kernels.cpu_attention_body()}
-                    if self.device.type == "cpu" else {}))
+                 **({"cpu_attention": self.model_runner.attention_body}
+                    if self.model_runner.attention_body else {}))
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,

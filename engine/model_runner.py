@@ -44,6 +44,10 @@ class ModelRunner:
         self.kv_cache = torch.empty(2, num_layers, self.num_kv_blocks, block_size,
                                     attn.num_kv_heads, attn.head_dim,
                                     dtype=kv_dtype, device=device)
+        # which CPU attention body runs (the start-up log says): numba's and the C one round
+        # differently, so workers that resume each other's jobs should agree on it
+        self.attention_body = (kernels.cpu_attention_body(attn.head_dim)
+                               if device.type == "cpu" else None)
         self.kv_scales = bind_kv_cache(self.model, self.kv_cache,
                                        read_kv_scales(path, num_layers), calculate_kv_scales)
         self.graphs = None

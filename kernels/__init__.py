@@ -38,14 +38,15 @@ def default_backend(device: torch.device) -> str:
     return fast if fast in _BACKENDS else "torch"
 
 
-def cpu_attention_body() -> str:
-    """The per-token attention body the ``"cpu"`` backend runs in float32: ``"c"`` (built by
-    ``kernels.cpu_native``), ``"numba"``, or ``"torch"`` (the reference) without numba."""
+def cpu_attention_body(head_dim: int) -> str:
+    """The per-token attention body the ``"cpu"`` backend runs in float32 for this head_dim:
+    ``"c"`` (built by ``kernels.cpu_native``), ``"numba"``, or ``"torch"`` (the reference)
+    without numba."""
     if "cpu" not in _BACKENDS:
         return "torch"
-    from kernels import cpu_native, cpu_ops
+    from kernels import cpu_ops
 
-    return "c" if cpu_ops.NATIVE and cpu_native.attend() is not None else "numba"
+    return cpu_ops.attention_body(head_dim)
 
 
 def _resolve(name: str, device: torch.device, backend: str | None,

@@ -96,10 +96,16 @@ def _prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tabl
 NATIVE = True  # the C body where it builds (kernels.cpu_native); False: numba's everywhere
 
 
+def attention_body(head_dim: int) -> str:
+    """The per-token body the decode and prefill run: ``"c"`` where it built and head_dim is a
+    multiple of its 8 lanes, ``"numba"`` otherwise."""
+    native = NATIVE and head_dim % 8 == 0 and cpu_native.launchers() is not None
+    return "c" if native else "numba"
+
+
 def _loops(head_dim: int) -> tuple[Callable, Callable]:
-    """The decode and prefill loops, both over the same per-token body: the C one where it
-    built and head_dim is a multiple of its 8 lanes, numba's otherwise."""
-    native = cpu_native.launchers() if NATIVE and head_dim % 8 == 0 else None
+    """The decode and prefill loops, both over the same per-token body."""
+    native = cpu_native.launchers() if attention_body(head_dim) == "c" else None
     return native or (_decode, _prefill)
 
 
