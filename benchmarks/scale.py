@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,7 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
 )
 
 from producer import Client  # noqa: E402
-from producer.rq_mirror import WORKERS, job_key  # noqa: E402
+from producer.rq_mirror import WORKERS, job_key, parse_timestamp  # noqa: E402
 from worker.redis_server import RedisServer  # noqa: E402
 
 QUEUE = "scale"
@@ -78,8 +77,7 @@ def run(url: str, model: Path, workers: int, specs: list[dict], args: argparse.N
         split = Counter(name for name, _ in records)
         last_end: dict[str, float] = {}
         for name, ended in records:
-            at = datetime.strptime(ended, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-            last_end[name] = max(last_end.get(name, 0.0), at.timestamp() - submitted)
+            last_end[name] = max(last_end.get(name, 0.0), parse_timestamp(ended) - submitted)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

@@ -68,10 +68,18 @@ def worker_key(name: str) -> str:
     return f"rq:worker:{name}"
 
 
+RQ_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"  # rq.utils.utcformat's, always UTC
+
+
 def timestamp(t: float | None = None) -> str:
     """RQ's date format (``rq.utils.utcformat``)."""
     when = datetime.now(UTC) if t is None else datetime.fromtimestamp(t, UTC)
-    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return when.strftime(RQ_TIME_FORMAT)
+
+
+def parse_timestamp(text: str) -> float:
+    """``timestamp``'s inverse: unix time of an RQ date."""
+    return datetime.strptime(text, RQ_TIME_FORMAT).replace(tzinfo=UTC).timestamp()
 
 
 def describe(job: Job) -> str:

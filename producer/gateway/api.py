@@ -15,7 +15,6 @@ Decisions:
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
-from datetime import datetime
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -23,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..aio import AsyncJobHandle
 from ..protocol import Chunk, Done, End, Event, Usage
+from ..rq_mirror import parse_timestamp
 from .deps import gateway
 from .errors import from_exception
 from .responses import Formatter
@@ -36,7 +36,7 @@ CLIENT_CLOSED = 499
 def model_card(queue: str, info: dict[str, Any]) -> dict[str, Any]:
     """vLLM's model card: ``id`` the queue, ``root`` the model its workers load."""
     born = info.get("created")
-    created = int(datetime.strptime(born, "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()) if born else 0
+    created = int(parse_timestamp(born)) if born else 0
     return {"id": queue, "object": "model", "created": created, "owned_by": "pagedq",
             "root": info.get("model"), "parent": None, "workers": info["workers"]}
 
