@@ -8,6 +8,8 @@ in MKL's ``scopy`` against 24% in its kernel). oneDNN takes a weight packed once
 import torch
 from torch import nn
 
+from kernels import cpu_gemv
+
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 
 
@@ -24,17 +26,42 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
                                                               _BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        probe = torch.randn(2, self.in_features, generator=torch.Generator().manual_seed(0))
-        self.pad_single_row = not torch.equal(self._product(probe[:1]), self._product(probe)[:1])
+        probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
+        many_rows = self._product(probe)
+        self.pad_single_row = not torch.equal(self._product(probe[:1]), many_rows[:1])
+        self.panels, self.block = self._find_gemv(linear, probe, many_rows)
+
+    def _find_gemv(self, linear: nn.Linear, probe: torch.Tensor,
+                   many_rows: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """The weights in ``cpu_gemv``'s panels and the block of inputs with which its sums
+        equal oneDNN's many-row ones bit for bit on the probe, or (None, 0) where no block
+        does (or the C kernel cannot be built). On AVX-512 machines oneDNN's kernel sums
+        blocks of 512 inputs up to 1,024 and 1,024 past them; elsewhere it may sum otherwise,
+        and its own paths serve every batch. The panels hold the weights a second time (540
+        MB more for SmolLM2): oneDNN's packed copy has no address to read."""
+        if not cpu_gemv.available():
+            return None, 0
+        panels = cpu_gemv.pack_panels(linear.weight.detach())
+        blocks = [self.in_features] + [1 << i for i in range(4, 13) if 1 << i < self.in_features]
+        for block in blocks:
+            rows = cpu_gemv.gemv(probe, panels, self.bias, self.out_features, block)
+            if torch.equal(rows, many_rows):
+                return panels, block
+        return None, 0
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A row's product has the same bits in any batch: oneDNN's one-row path sums another
-        way past 1,024 inputs (SmolLM2's down_proj: 1.9e-6 off its many-row result, while 2 to
-        4,096 rows all agree), so a lone row goes in twice where the probe at load saw it
-        differ. Free at that size (161 against 164 us); the lm_head (576 inputs) needs none."""
+        """A row's product has the same bits in any batch. Up to ``cpu_gemv.MAX_ROWS`` rows go
+        to ``cpu_gemv`` where the probe found its block: it streams the weights at 2x oneDNN's
+        rate for so few rows (SmolLM2's layers, 2 threads). Else oneDNN: its one-row path sums
+        another way past 1,024 inputs (SmolLM2's down_proj: 1.9e-6 off its many-row result,
+        while 2 to 4,096 rows all agree), so a lone row goes in twice where the probe at load
+        saw it differ. Free at that size (161 against 164 us)."""
+        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS
+                and x.stride(1) == 1):
+            return cpu_gemv.gemv(x, self.panels, self.bias, self.out_features, self.block)
         if self.pad_single_row and x.shape[0] == 1 and x.dim() == 2:
             return self._product(x.expand(2, -1).contiguous())[:1]
         return self._product(x)
@@ -42,7 +69,7 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> None:
     """Swaps every ``nn.Linear`` of ``model`` for a ``PackedLinear``, holding the weight only in
-    its packed form. A tied ``lm_head`` is packed too, its embedding kept for lookups: that
+    its packed forms (oneDNN's, and ``cpu_gemv``'s panels where they serve). A tied ``lm_head`` is packed too, its embedding kept for lookups: that
     holds vocab x hidden floats twice (113 MB on SmolLM2) but spares repacking the largest
     matrix at every step (12% of the CPU time on SmolLM2, py-spy)."""
     for module in list(model.modules()):

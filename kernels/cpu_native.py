@@ -1,6 +1,8 @@
-"""Builds ``cpu_attention.c`` with the machine's C compiler at first use and loads it: the CPU
-paged attention's per-token body in AVX2 + FMA intrinsics, which ``kernels.cpu_ops`` calls from
-its numba threads.
+"""Builds the C kernels with the machine's C compiler at first use and loads them:
+``cpu_attention.c``, the CPU paged attention's per-token body in AVX2 + FMA intrinsics, which
+``kernels.cpu_ops`` calls from its numba threads; and ``cpu_gemv.c``, a linear layer's product
+for a few rows on torch's OpenMP threads (built with ``-fopenmp``: its ``libgomp.so.1`` is the
+one torch has loaded, so both share one thread pool).
 
 Why C: numba left that body's head_dim loops scalar (``vfmadd231ss``, no vector FMA, in its
 assembly on an AVX-512 Xeon), and the profile put 46 % of a random-26m throughput run in
@@ -28,10 +30,11 @@ from pathlib import Path
 import numba
 import numpy as np
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
-_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p] + [
+_ATTEND_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p] + [
     ctypes.c_int64] * 4
+_GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+    ctypes.c_int64] * 5
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -43,17 +46,17 @@ def _cpu_has(*flags: str) -> bool:
     return all(flag in line.split() for flag in flags)
 
 
-def _build(compiler: str) -> Path | None:
+def _build(compiler: str, source: Path, flags: list[str]) -> Path | None:
     """The library, built unless the cache holds it; None if the compiler refuses."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source.read_text(), *flags, version]).encode()).hexdigest()
     cache_dir = Path(os.environ.get("PAGEDQ_CACHE_DIR") or "~/.cache/pagedq").expanduser()
-    library = cache_dir / "native" / f"cpu_attention-{key[:16]}.so"
+    library = cache_dir / "native" / f"{source.stem}-{key[:16]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
-        built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True)
+        built = subprocess.run([compiler, *flags, str(source), "-o", tmp], capture_output=True)
         if built.returncode != 0:
             os.unlink(tmp)
             return None
@@ -61,22 +64,34 @@ def _build(compiler: str) -> Path | None:
     return library
 
 
-@cache
-def attend() -> ctypes._CFuncPtr | None:
-    """``pagedq_attend`` from the built library, or None where it cannot be had."""
+def _load(source: str, symbol: str, argtypes: list, flags: list[str]) -> ctypes._CFuncPtr | None:
+    """``symbol`` from ``source`` built, or None where it cannot be had."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     if os.environ.get("PAGEDQ_NATIVE_KERNELS", "1") == "0" or compiler is None or not _cpu_has(
             "avx2", "fma"):
         return None
     try:
-        library = _build(compiler)
-        function = ctypes.CDLL(str(library)).pagedq_attend if library else None
-    except OSError:  # a cache folder it cannot write, a library it cannot load
+        library = _build(compiler, Path(__file__).with_name(source), flags)
+        function = getattr(ctypes.CDLL(str(library)), symbol) if library else None
+    except (OSError, AttributeError):  # a cache it cannot write, a library it cannot load
         return None
     if function is None:
         return None
-    function.argtypes, function.restype = _ARGS, None
+    function.argtypes, function.restype = argtypes, None
     return function
+
+
+@cache
+def attend() -> ctypes._CFuncPtr | None:
+    """``pagedq_attend`` from the built ``cpu_attention.c``, or None where it cannot be had."""
+    return _load("cpu_attention.c", "pagedq_attend", _ATTEND_ARGS, FLAGS)
+
+
+@cache
+def gemv() -> ctypes._CFuncPtr | None:
+    """``pagedq_gemv`` from the built ``cpu_gemv.c`` (its signature is in the source), or None
+    where it cannot be had."""
+    return _load("cpu_gemv.c", "pagedq_gemv", _GEMV_ARGS, [*FLAGS, "-fopenmp"])
 
 
 @cache
