@@ -11,6 +11,7 @@ from torch import nn
 from kernels import cpu_gemv
 
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
+_GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe found, tried first
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -42,10 +43,14 @@ class PackedLinear(nn.Module):
         if not cpu_gemv.available():
             return None, 0
         panels = cpu_gemv.pack_panels(linear.weight.detach())
-        blocks = [self.in_features] + [1 << i for i in range(4, 13) if 1 << i < self.in_features]
+        blocks = [self.in_features] + [b for b in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
+                                       if b < self.in_features]
+        if self.in_features in _GEMV_BLOCKS:  # a model's layers share a few widths
+            blocks.insert(0, _GEMV_BLOCKS[self.in_features])
         for block in blocks:
             rows = cpu_gemv.gemv(probe, panels, self.bias, self.out_features, block)
             if torch.equal(rows, many_rows):
+                _GEMV_BLOCKS[self.in_features] = block
                 return panels, block
         return None, 0
 
@@ -69,9 +74,10 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> None:
     """Swaps every ``nn.Linear`` of ``model`` for a ``PackedLinear``, holding the weight only in
-    its packed forms (oneDNN's, and ``cpu_gemv``'s panels where they serve). A tied ``lm_head`` is packed too, its embedding kept for lookups: that
-    holds vocab x hidden floats twice (113 MB on SmolLM2) but spares repacking the largest
-    matrix at every step (12% of the CPU time on SmolLM2, py-spy)."""
+    its packed forms (oneDNN's, and ``cpu_gemv``'s panels where they serve). A tied ``lm_head``
+    is packed too, its embedding kept for lookups: that holds vocab x hidden floats twice (113
+    MB on SmolLM2) but spares repacking the largest matrix at every step (12% of the CPU time
+    on SmolLM2, py-spy)."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is nn.Linear:
