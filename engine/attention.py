@@ -17,6 +17,8 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = torch.ones(())
         self.calculate_kv_scales = False  # True until the first prefill sets the fp8 scales
+        # fp8 with scales from the first prefill: its mean key, taken from every key stored
+        self.k_shift: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]`` for the batch's new tokens, the
@@ -24,8 +26,10 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         num_decode = ctx.num_decode_tokens
         if self.calculate_kv_scales and num_decode < q.shape[0]:  # never a graph capture's
-            calculate_kv_scales(k, v, self.k_scale, self.v_scale)
+            calculate_kv_scales(k, v, self.k_scale, self.v_scale, self.k_shift)
             self.calculate_kv_scales = False
+        if self.k_shift is not None:  # softmax(q.(k - m)) = softmax(q.k): see kv_cache.py
+            k = k - self.k_shift
         kv_scales = self.k_scale, self.v_scale
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *kv_scales)
         parts = [kernels.paged_attention_decode(q[g.start:g.end], self.k_cache, self.v_cache,

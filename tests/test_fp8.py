@@ -1,6 +1,6 @@
 """fp8 KV cache in the engine: the CPU decode kernel against the reference, capacity and
-preemption, scales (checkpoint, first prefill, 1.0), bad values, a NaN-filled pool, and
-sharing, copy-on-write, preemption and beams on an fp8 pool."""
+preemption, scales (checkpoint, first prefill, 1.0) and centred keys, bad values, a NaN-filled
+pool, and sharing, copy-on-write, preemption and beams on an fp8 pool."""
 
 import shutil
 from collections.abc import Callable
@@ -171,11 +171,43 @@ def test_scales_from_the_first_prefill(tiny_llama: Path, make_llm: Callable[...,
     scales = runner.kv_scales.clone()
     if not calculate:
         assert torch.equal(scales, torch.ones_like(scales))
+    attns = [layer.self_attn.attn for layer in runner.model.model.layers]
+    if not calculate:
+        assert all(attn.k_shift is None for attn in attns)
         return
     stored = runner.kv_cache.float().abs().amax(dim=(2, 3, 4, 5))  # the prompt's KV
     assert ((stored[0] - 200).abs() <= 8).all() and ((stored[1] - 100).abs() <= 4).all()
+    # the keys went in centred: per channel their mean over the 27 tokens is e4m3's rounding
+    keys = runner.kv_cache[0].float().flatten(1, 2)[:, :27]  # [layers, tokens, heads, dim]
+    assert keys.mean(1).abs().amax() < 0.05 * 200
+    assert all(attn.k_shift.abs().amax() > 0 for attn in attns)
+    shifts = [attn.k_shift.clone() for attn in attns]
     llm.generate([list(range(40, 70))], SamplingParams(max_tokens=1), use_tqdm=False)
     assert torch.equal(runner.kv_scales, scales)  # once only
+    assert all(torch.equal(a.k_shift, s) for a, s in zip(attns, shifts, strict=True))
+
+
+def test_centred_keys_leave_attention_unchanged(tiny_llama: Path,
+                                                make_llm: Callable[..., LLM]) -> None:
+    """Keys stored less a shift m (what an fp8 pool with first-prefill scales does) give the
+    same logprobs to rounding: every score of a query moves by q . m, which softmax cancels.
+    Shown on a full-precision pool, where nothing else rounds, with a large random shift."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [list(range(3, 40)), [7, 8, 9]]
+    runs = []
+    for shift in (False, True):
+        llm = make_llm(tiny_llama, num_kv_blocks=16)
+        for i, layer in enumerate(llm.engine.model_runner.model.model.layers):
+            attn = layer.self_attn.attn
+            gen = torch.Generator().manual_seed(i)
+            attn.k_shift = 3 * torch.randn(attn.num_kv_heads, attn.head_dim,
+                                           generator=gen) if shift else None
+        outs = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
+        runs.append(([o.token_ids for o in outs],
+                     torch.tensor([[lp[t] for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
+                                   for o in outs])))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-4, rtol=0)
 
 
 def test_sharing_and_preemption_on_fp8(tiny_llama: Path, make_llm: Callable[..., LLM],

@@ -4,19 +4,13 @@ logprobs, and perplexity over four English texts that installed packages ship (t
 License 2.0 in transformers, the Mozilla Public License in hypothesis, the READMEs of pydantic
 and tqdm), their first 1,100 tokens each. Both fp8 formats.
 
-The scales come from the first prefill (vLLM's constants), and here, as in a deployment, that
-is a short chat request, before any text. Measured: e4m3 +1.59 % perplexity over the four
-texts (+2.45, +1.39, +1.36, +1.18 % each), e5m2 +4.65 % (session 8: AMD EPYC, AVX2); +2.21 %
-(+3.07, +2.67, +1.56, +1.57 %) and +4.24 % on an Intel Xeon with AVX-512 and AMX and the
-packages of 2026-11-25 (transformers 5.24, which also converts the GGUF). The issue's 2 % is
-met on the one and missed on the other, so the bound is 3 %: it catches a broken cache (scales
-of 1.0 cost 3.5 %, saturation 5 %), not the difference between machines.
-
-Had the scales come from the texts' own 2,200-token prefills instead, e4m3 would lose 2.16 %
-on average (+3.65 % on the licence): a long first prefill's amax includes outliers, and amax /
-200 then leaves the bulk of the values in fewer of e4m3's levels; constants without headroom
-(amax / 448) are worse after a short first prefill (+3.5 to +5.5 %: later outliers saturate).
-See kv_cache.py.
+The scales (vLLM's constants) and the centred keys come from the first prefill, and here, as
+in a deployment, that is a short chat request, before any text. Measured: e4m3 +0.46 %
+perplexity over the four texts, e5m2 +2.38 % (AMD EPYC with AVX-512, session 11); without the
+centring +1.71 % and +4.63 % on that machine, +2.21 % on an Intel Xeon (session 10), +1.59 %
+on an AVX2 EPYC (session 8). Other first requests move e4m3 between +0.46 and +1.03 % (plain:
++0.28 to +1.71 %; see kv_cache.py). The bound is the issue's 2 % for e4m3; a broken cache
+misses it (scales of 1.0 cost 3.5 %, saturation 5 %).
 """
 
 from importlib.metadata import distribution
@@ -109,7 +103,7 @@ def test_quality_against_full_precision_cache(runs: dict, kv_dtype: str) -> None
           f"diff| {mean_diff:.4f} over {len(diffs)} tokens; perplexity {ppl:.3f} vs "
           f"{full_ppl:.3f} ({(ppl / full_ppl - 1) * 100:+.2f} %)")
     e4m3 = kv_dtype == "fp8_e4m3"
-    assert abs(ppl / full_ppl - 1) < (0.03 if e4m3 else 0.07)
+    assert abs(ppl / full_ppl - 1) < (0.02 if e4m3 else 0.06)
     assert mean_diff < (0.07 if e4m3 else 0.14)
     first_same = sum(a[0] == b[0] for a, b in zip(full_tokens, tokens, strict=True))
     # e5m2 (2 mantissa bits) keeps no prompt identical over 32 tokens on this model: 0-1 of
