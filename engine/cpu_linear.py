@@ -82,3 +82,15 @@ def pack_linears(model: nn.Module) -> None:
         for name, child in module.named_children():
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear(child))
+
+
+def few_rows_path(model: nn.Module) -> str | None:
+    """For the start-up log: what computes a decode of up to ``cpu_gemv.MAX_ROWS`` rows in the
+    packed layers, ``"c"`` (every layer found its block), ``"onednn"`` (none did) or ``"c in
+    a of b layers"``; None where no layer is packed."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    fast = sum(m.panels is not None for m in layers)
+    if not layers:
+        return None
+    return "c" if fast == len(layers) else "onednn" if not fast else (
+        f"c in {fast} of {len(layers)} layers")

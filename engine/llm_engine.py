@@ -75,7 +75,9 @@ class LLMEngine:
                  kv_blocks=num_blocks, block_size=config.block_size,
                  max_model_len=self.max_model_len,
                  **({"cpu_attention": self.model_runner.attention_body}
-                    if self.model_runner.attention_body else {}))
+                    if self.model_runner.attention_body else {}),
+                 **({"cpu_linear_rows": self.model_runner.linear_rows}
+                    if self.model_runner.linear_rows else {}))
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,

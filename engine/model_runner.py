@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 import kernels
 from engine.config import EngineConfig
 from engine.context import Context, DecodeGroup, set_context
+from engine.cpu_linear import few_rows_path
 from engine.cpu_malloc import keep_freed_memory
 from engine.cuda_graph import DecodeGraphs
 from engine.kv_cache import bind_kv_cache, kv_cache_torch_dtype
@@ -48,6 +49,7 @@ class ModelRunner:
         # differently, so workers that resume each other's jobs should agree on it
         self.attention_body = (kernels.cpu_attention_body(attn.head_dim)
                                if device.type == "cpu" else None)
+        self.linear_rows = few_rows_path(self.model)  # cpu_gemv or oneDNN, for the log
         self.kv_scales = bind_kv_cache(self.model, self.kv_cache,
                                        read_kv_scales(path, num_layers), calculate_kv_scales)
         self.graphs = None

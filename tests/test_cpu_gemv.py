@@ -4,6 +4,7 @@ bit for bit against oneDNN's many-row one where ``PackedLinear``'s probe picks i
 import pytest
 import torch
 
+from engine import LLM
 from engine.cpu_linear import PackedLinear
 from kernels import cpu_gemv, cpu_native
 
@@ -51,3 +52,11 @@ def test_few_rows_have_onednn_many_row_bits(in_features: int) -> None:
     for rows in (1, 2, 3, 4):
         for start in (0, 7, 296):
             assert torch.equal(layer(x[start:start + rows]), batch[start:start + rows])
+
+
+def test_the_engine_says_what_computes_few_rows(tiny_llama3) -> None:
+    llm = LLM(str(tiny_llama3))
+    path = llm.engine.model_runner.linear_rows
+    assert path in ("c", "onednn") or path.startswith("c in ")
+    if cpu_native._cpu_has("avx512f"):
+        assert path == "c"
