@@ -1,7 +1,8 @@
 /* The CPU paged attention of one query token, float32, AVX2 + FMA: compiled at first use by
  * kernels/cpu_native.py and called by kernels/cpu_ops.py's decode and prefill (numba threads,
- * one token per call). Every sum runs in an order fixed here, whatever the batch around the
- * token, so decode and prefill give a token the same bits.
+ * one token per call, for its KV heads kv_begin to kv_end). Every sum runs in an order fixed
+ * here, whatever the batch around the token and whichever heads a call takes (each head's
+ * arithmetic is its own), so decode and prefill give a token the same bits.
  *
  * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. */
 #include <immintrin.h>
@@ -42,8 +43,10 @@ static inline __m256 exp8(__m256 x) {
 void pagedq_attend(const float *restrict q, const float *restrict k_cache,
                    const float *restrict v_cache, const int32_t *restrict table,
                    int64_t length, float scale, float *restrict out, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                   int64_t kv_begin, int64_t kv_end) {
     const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
+    const int64_t g_begin = kv_begin * group, g_end = kv_end * group;
     const int64_t padded = (length + 7) & ~(int64_t)7;
     float *scores = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * padded));
     float *qs = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * head_dim));
@@ -55,13 +58,13 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
         for (int64_t j = 0; j < block_size && t < length; j++, t++)
             offsets[t] = ((int64_t)table[i] * block_size + j) * row;
     for (int64_t t = length; t < padded; t++) offsets[t] = offsets[length - 1];
-    for (int64_t i = 0; i < num_heads * head_dim; i++) {
+    for (int64_t i = g_begin * head_dim; i < g_end * head_dim; i++) {
         qs[i] = q[i] * scale;
         acc[i] = 0.0f;
     }
     /* scores, a tile of 8 keys for every head: 8 lanes over head_dim per key, then sum8 */
     for (int64_t t0 = 0; t0 < padded; t0 += 8) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
+        for (int64_t h = kv_begin; h < kv_end; h++) {
             const float *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
             for (int64_t g = h * group; g < (h + 1) * group; g++) {
@@ -78,7 +81,7 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
     }
     /* softmax numerators, the padding's zeroed; each head's total summed in 8 lanes */
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t g = 0; g < num_heads; g++) {
+    for (int64_t g = g_begin; g < g_end; g++) {
         float *s = scores + g * padded, top = s[0];
         for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
         const __m256 tv = _mm256_set1_ps(top);
@@ -98,7 +101,7 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
     /* out: keys in order, 8 at a time, into each head's accumulator */
     for (int64_t t0 = 0; t0 < length; t0 += 8) {
         const int n = length - t0 < 8 ? (int)(length - t0) : 8;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
+        for (int64_t h = kv_begin; h < kv_end; h++) {
             const float *rows[8];
             for (int k = 0; k < n; k++) rows[k] = v_cache + offsets[t0 + k] + h * head_dim;
             for (int64_t g = h * group; g < (h + 1) * group; g++) {
@@ -114,7 +117,7 @@ void pagedq_attend(const float *restrict q, const float *restrict k_cache,
             }
         }
     }
-    for (int64_t g = 0; g < num_heads; g++) {
+    for (int64_t g = g_begin; g < g_end; g++) {
         const __m256 dv = _mm256_set1_ps(denom[g]);
         for (int64_t d = 0; d < head_dim; d += 8)
             _mm256_storeu_ps(out + g * head_dim + d,

@@ -32,7 +32,7 @@ import numpy as np
 
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _ATTEND_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p] + [
-    ctypes.c_int64] * 4
+    ctypes.c_int64] * 6
 _GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
     ctypes.c_int64] * 5
 
@@ -105,18 +105,24 @@ def launchers() -> tuple[Callable, Callable] | None:
 
     @numba.njit(inline="always")
     def attend_one(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
-                   length: int, scale: float, out: np.ndarray) -> None:  # pragma: no cover
+                   length: int, scale: float, out: np.ndarray, kv_begin: int,
+                   kv_end: int) -> None:  # pragma: no cover
         # one token: q and out [heads, dim], table its blocks (cpu_ops._attend's signature)
         function(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, table.ctypes.data,
                  length, scale, out.ctypes.data, q.shape[0], k_cache.shape[2], q.shape[1],
-                 k_cache.shape[1])
+                 k_cache.shape[1], kv_begin, kv_end)
 
     @numba.njit(parallel=True, nogil=True)
     def decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                block_tables: np.ndarray, context_lens: np.ndarray, scale: float,
                out: np.ndarray) -> None:  # pragma: no cover
-        for b in numba.prange(q.shape[0]):
-            attend_one(q[b], k_cache, v_cache, block_tables[b], context_lens[b], scale, out[b])
+        # one task per sequence and KV head: at batch 1 the threads share a token's heads
+        # (SmolLM2 at a 2,048-token context: its attention had run on one of two cores)
+        kv_heads = k_cache.shape[2]
+        for unit in numba.prange(q.shape[0] * kv_heads):
+            b, h = unit // kv_heads, unit % kv_heads
+            attend_one(q[b], k_cache, v_cache, block_tables[b], context_lens[b], scale, out[b],
+                       h, h + 1)
 
     @numba.njit(parallel=True, nogil=True)
     def prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -124,6 +130,7 @@ def launchers() -> tuple[Callable, Callable] | None:
                 out: np.ndarray) -> None:  # pragma: no cover
         for r in numba.prange(rows.shape[0]):
             row, seq, pos = rows[r, 0], rows[r, 1], rows[r, 2]
-            attend_one(q[row], k_cache, v_cache, block_tables[seq], pos + 1, scale, out[row])
+            attend_one(q[row], k_cache, v_cache, block_tables[seq], pos + 1, scale, out[row], 0,
+                       k_cache.shape[2])
 
     return decode, prefill
