@@ -54,25 +54,26 @@ def _resolve(name: str, device: torch.device, backend: str | None,
              fp8: bool = False) -> Callable:
     """The backend's op; a backend that has none of its own leaves it to the reference. An fp8
     cache on the CPU takes ``kernels.cpu_fp8``'s op where it has one, else the reference's."""
-    return _op(name, default_backend(device) if backend is None else backend,
-               _FP8_CPU if fp8 else None)
-
-
-@cache
-def _op(name: str, backend: str, fp8_module: str | None) -> Callable:
-    """``_resolve``'s lookup, once per op: the imports and lookups were a tenth of a one-row
-    kernel call's 10 us (SmolLM2 decodes a token with some 300 of these calls)."""
+    if backend is None:
+        backend = default_backend(device)
     if backend not in _BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is not available; "
                          f"have {sorted(_BACKENDS)}")
-    if fp8_module is not None and backend == "cpu":
-        op = getattr(importlib.import_module(fp8_module), name, None)
+    if fp8 and backend == "cpu":
+        return _op(name, (_FP8_CPU, _BACKENDS["torch"]))
+    return _op(name, (_BACKENDS[backend],))
+
+
+@cache
+def _op(name: str, modules: tuple[str, ...]) -> Callable:
+    """``name`` from the first of ``modules`` that has it, else the reference's; once per op:
+    the imports and lookups were a tenth of a one-row kernel call's 10 us (SmolLM2 decodes a
+    token with some 300 of these calls)."""
+    for module in modules:
+        op = getattr(importlib.import_module(module), name, None)
         if op is not None:
             return op
-        backend = "torch"
-    module = importlib.import_module(_BACKENDS[backend])
-    op = getattr(module, name, None)
-    return op if op is not None else getattr(importlib.import_module("kernels.reference"), name)
+    return getattr(importlib.import_module("kernels.reference"), name)
 
 
 def _kv_op(name: str, device: torch.device, backend: str | None, cache: torch.Tensor,
