@@ -33,6 +33,7 @@ import numpy as np
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _ATTEND_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p] + [
     ctypes.c_int64] * 6
+SPLIT_BELOW = 4  # decode batches this small split a token's KV heads over the threads
 _GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
     ctypes.c_int64] * 5
 
@@ -116,13 +117,17 @@ def launchers() -> tuple[Callable, Callable] | None:
     def decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                block_tables: np.ndarray, context_lens: np.ndarray, scale: float,
                out: np.ndarray) -> None:  # pragma: no cover
-        # one task per sequence and KV head: at batch 1 the threads share a token's heads
-        # (SmolLM2 at a 2,048-token context: its attention had run on one of two cores)
+        # below SPLIT_BELOW sequences a task per sequence and KV head, so that the threads
+        # share one stream's heads (SmolLM2 at a 2,048-token context: its attention had run on
+        # one of two cores); a task per sequence above, where the heads' strided reads of a
+        # token's row cost random-26m's throughput 2-3 %
         kv_heads = k_cache.shape[2]
-        for unit in numba.prange(q.shape[0] * kv_heads):
-            b, h = unit // kv_heads, unit % kv_heads
+        tasks = kv_heads if q.shape[0] < SPLIT_BELOW else 1
+        heads = kv_heads // tasks
+        for unit in numba.prange(q.shape[0] * tasks):
+            b, first = unit // tasks, unit % tasks * heads
             attend_one(q[b], k_cache, v_cache, block_tables[b], context_lens[b], scale, out[b],
-                       h, h + 1)
+                       first, first + heads)
 
     @numba.njit(parallel=True, nogil=True)
     def prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,

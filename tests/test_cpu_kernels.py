@@ -52,6 +52,10 @@ def test_decode_matches_reference(group: int, head_dim: int, block_size: int, bo
                                                 head_dim**-0.5)
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for row in range(len(lens)):  # alone, a token's KV heads are split over the threads
+        alone = cpu_ops.paged_attention_decode(q[row:row + 1], k, v, tables[row:row + 1],
+                                               ctx[row:row + 1], head_dim**-0.5)
+        assert torch.equal(alone[0], out[row]), row
 
 
 
