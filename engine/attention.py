@@ -1,14 +1,14 @@
 """The paged attention layer: store this step's KV into the pool, then attend over it."""
 
 import torch
-from torch import nn
 
 import kernels
 from engine.context import get_context
+from engine.direct_module import DirectModule
 from engine.kv_cache import calculate_kv_scales
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(DirectModule):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -8,6 +8,7 @@ in MKL's ``scopy`` against 24% in its kernel). oneDNN takes a weight packed once
 import torch
 from torch import nn
 
+from engine.direct_module import DirectModule
 from kernels import cpu_gemv
 
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
@@ -20,7 +21,7 @@ def can_pack(model: nn.Module) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(DirectModule):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

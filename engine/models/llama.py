@@ -9,9 +9,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
 from engine.attention import PagedAttention
+from engine.direct_module import DirectModule
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectModule):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(DirectModule):
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -49,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         return kernels.rotary(q, k, self.cos, self.sin, positions)
 
 
-class Attention(nn.Module):
+class Attention(DirectModule):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(DirectModule):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -83,7 +84,7 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectModule):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary)
@@ -98,7 +99,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DirectModule):
     def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or (
@@ -116,7 +117,7 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DirectModule):
     # fused parameter -> the checkpoint's parts, concatenated in this order
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                       "gate_up_proj": ("gate_proj", "up_proj")}

@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.direct_module import DirectModule
 from engine.quantization.config import QuantConfig, QuantizationError
 from engine.quantization.formats import Fp8Weight, IntWeight, read_linear
 from kernels import quant_ops, quant_reference
 
 
-class IntQuantLinear(nn.Module):
+class IntQuantLinear(DirectModule):
     def __init__(self, w: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -86,7 +87,7 @@ class IntQuantLinear(nn.Module):
                 f"bits={self.bits}, layout={self.layout}")
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(DirectModule):
     def __init__(self, w: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
