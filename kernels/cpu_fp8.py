@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from kernels.numba_common import JIT, numba_follows_torch, softmax_numerators
+from kernels.numba_common import JIT, on_torch_threads, softmax_numerators
 
 _FORMATS = {torch.float8_e4m3fn: (20, 7), torch.float8_e5m2: (21, 15)}  # (shift, exponent bias)
 
@@ -89,9 +89,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return q.new_empty(q.shape)
     shift, bias = _FORMATS[k_cache.dtype]
     out = torch.empty(q.shape, dtype=torch.float32)
-    with numba_follows_torch():
-        _decode_fp8(q.float().contiguous().numpy(), k_cache.view(torch.uint8).numpy(),
-                    v_cache.view(torch.uint8).numpy(), np.uint32(shift),
-                    2.0 ** (127 - bias) * k_scale.item(), 2.0 ** (127 - bias) * v_scale.item(),
-                    block_tables.numpy(), context_lens.numpy(), scale, out.numpy())
+    on_torch_threads(_decode_fp8, q.float().contiguous().numpy(),
+                     k_cache.view(torch.uint8).numpy(), v_cache.view(torch.uint8).numpy(),
+                     np.uint32(shift), 2.0 ** (127 - bias) * k_scale.item(),
+                     2.0 ** (127 - bias) * v_scale.item(), block_tables.numpy(),
+                     context_lens.numpy(), scale, out.numpy())
     return out.to(q.dtype)

@@ -23,7 +23,7 @@ from kernels.numba_common import (  # the dispatch looks names up here)
     JIT,
     SERIAL,
     cpu_float32,
-    numba_follows_torch,
+    on_torch_threads,
 )
 from kernels.reference import copy_blocks  # noqa: F401
 
@@ -143,9 +143,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                 scale)
     out = torch.empty(q.shape, dtype=torch.float32)
     decode, _ = _loops(q.shape[2])
-    with numba_follows_torch():
-        decode(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-               block_tables.contiguous().numpy(), context_lens.numpy(), scale, out.numpy())
+    on_torch_threads(decode, q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+                     block_tables.contiguous().numpy(), context_lens.numpy(), scale, out.numpy())
     return out.to(q.dtype)
 
 
@@ -180,7 +179,6 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty(q.shape, dtype=torch.float32)
     rows = _prefill_rows(cu_seqlens_q, context_lens)
     _, prefill = _loops(q.shape[2])
-    with numba_follows_torch():
-        prefill(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-                block_tables.contiguous().numpy(), rows, scale, out.numpy())
+    on_torch_threads(prefill, q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
+                     block_tables.contiguous().numpy(), rows, scale, out.numpy())
     return out.to(q.dtype)

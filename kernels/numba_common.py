@@ -1,24 +1,24 @@
 """What the numba CPU kernels share: their flags, the thread pool sized as torch's, and softmax
 rows."""
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
 import torch
 
 
-@contextmanager
-def numba_follows_torch() -> Iterator[None]:
-    """Runs a numba kernel on torch's thread count, and keeps torch's count as it was: numba's
-    first parallel launch starts OpenMP with every core, and torch reads its thread count back
-    from OpenMP, so ``torch.set_num_threads(1)`` would quietly become every core."""
+def on_torch_threads(kernel: Callable[..., None], *args: Any) -> None:
+    """Runs a parallel numba kernel on torch's thread count, and keeps torch's count as it was:
+    numba's first parallel launch starts OpenMP with every core, and torch reads its thread count
+    back from OpenMP, so ``torch.set_num_threads(1)`` would quietly become every core. A plain
+    call, not a context manager: it runs once per attention call, some 30 times a decode step."""
     threads = torch.get_num_threads()
     if numba.get_num_threads() != threads:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        yield
+        kernel(*args)
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -26,7 +26,10 @@ def numba_follows_torch() -> Iterator[None]:
 
 def cpu_float32(*tensors: torch.Tensor) -> bool:
     """Whether the numba kernels can take these tensors (numba has no bfloat16)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    for t in tensors:  # a loop, not all(): no generator on a path taken ~200 times a step
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return True
 
 
 JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
