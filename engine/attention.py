@@ -25,11 +25,14 @@ class PagedAttention(DirectModule):
         single-token (decode) steps first."""
         ctx = get_context()
         num_decode = ctx.num_decode_tokens
-        if self.calculate_kv_scales and num_decode < q.shape[0]:  # never a graph capture's
-            calculate_kv_scales(k, v, self.k_scale, self.v_scale, self.k_shift)
-            self.calculate_kv_scales = False
+        first_prefill = self.calculate_kv_scales and num_decode < q.shape[0]  # never a capture
         if self.k_shift is not None:  # softmax(q.(k - m)) = softmax(q.k): see kv_cache.py
+            if first_prefill:
+                self.k_shift.copy_(k.float().mean(0))
             k = k - self.k_shift
+        if first_prefill:  # K's scale from the keys as stored, centred or not
+            calculate_kv_scales(k, v, self.k_scale, self.v_scale)
+            self.calculate_kv_scales = False
         kv_scales = self.k_scale, self.v_scale
         kernels.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, *kv_scales)
         parts = [kernels.paged_attention_decode(q[g.start:g.end], self.k_cache, self.v_cache,

@@ -119,13 +119,10 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor,
 
 
 def calculate_kv_scales(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
-                        v_scale: torch.Tensor, k_shift: torch.Tensor | None) -> None:
+                        v_scale: torch.Tensor) -> None:
     """vLLM's ``calculate_kv_scales``: the scales that map this step's amax to
-    ``SCALE_CONSTANTS``, written in place (1.0 where the amax is 0); with ``k_shift``, the
-    mean key is written there first and K's amax taken after it is subtracted."""
-    if k_shift is not None:
-        k_shift.copy_(k.float().mean(0))
-        k = k - k_shift
+    ``SCALE_CONSTANTS``, written in place (1.0 where the amax is 0). ``k`` as it will be stored:
+    the attention layer centres it first."""
     for x, scale, constant in ((k, k_scale, SCALE_CONSTANTS[0]), (v, v_scale, SCALE_CONSTANTS[1])):
         amax = x.detach().abs().amax().float()
         scale.copy_(torch.where(amax > 0, amax / constant, 1.0))

@@ -33,9 +33,9 @@ import numpy as np
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _ATTEND_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p] + [
     ctypes.c_int64] * 6
-SPLIT_BELOW = 4  # decode batches this small split a token's KV heads over the threads
 _GEMV_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
     ctypes.c_int64] * 5
+SPLIT_BELOW = 4  # decode batches this small split a token's KV heads over the threads
 
 
 def _cpu_has(*flags: str) -> bool:
