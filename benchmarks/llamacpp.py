@@ -58,6 +58,8 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
+        if self.log:  # benchmarks/out/ is not in a fresh clone
+            Path(self.log).parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log or os.devnull, "w")  # noqa: SIM115 (the child's)
         env = os.environ | {"LD_LIBRARY_PATH": str(SERVER.parent)}  # a shared-library build
         self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -76,7 +76,8 @@ class LLMEngine:
                  max_model_len=self.max_model_len,
                  **({"cpu_attention": self.model_runner.attention_body}
                     if self.model_runner.attention_body else {}),
-                 **({"cpu_linear_rows": self.model_runner.linear_rows}
+                 **({"cpu_linear_rows": self.model_runner.linear_rows,
+                     "cpu_decode": "native" if self.model_runner.cpu_decode else "modules"}
                     if self.model_runner.linear_rows else {}))
 
     def add_request(self, request_id: str, prompt: str | list[int],

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 import kernels
 from engine.config import EngineConfig
 from engine.context import Context, DecodeGroup, set_context
+from engine.cpu_decode import CpuDecode
 from engine.cpu_linear import few_rows_path
 from engine.cpu_malloc import keep_freed_memory
 from engine.cuda_graph import DecodeGraphs
@@ -52,6 +53,8 @@ class ModelRunner:
         self.linear_rows = few_rows_path(self.model)  # cpu_gemv or oneDNN, for the log
         self.kv_scales = bind_kv_cache(self.model, self.kv_cache,
                                        read_kv_scales(path, num_layers), calculate_kv_scales)
+        # decode steps of a few sequences as one native call on the CPU, where it binds
+        self.cpu_decode = CpuDecode.bind(self.model, block_size) if device.type == "cpu" else None
         self.graphs = None
         if cuda_graph_max_batch > 0 and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, cuda_graph_max_batch,
@@ -169,6 +172,8 @@ class ModelRunner:
         input_ids, positions, ctx, logit_rows, sample_seqs = self._prepare(batch)
         if self.graphs is not None and self.graphs.can_run(ctx, input_ids.shape[0]):
             hidden = self.graphs.run(input_ids, positions, ctx)
+        elif self.cpu_decode is not None and self.cpu_decode.can_run(ctx, input_ids.shape[0]):
+            hidden = self.cpu_decode.run(input_ids, positions, ctx)
         else:
             set_context(ctx)
             try:

@@ -16,7 +16,7 @@ PANEL = 16
 
 
 def available() -> bool:
-    return cpu_native.gemv() is not None
+    return cpu_native.function("pagedq_gemv") is not None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
          out_features: int, block: int) -> torch.Tensor:
     """``x`` [rows, in] (rows <= MAX_ROWS, unit stride along in) times the packed weights,
     plus ``bias``: [rows, out_features], float32 on the CPU."""
-    function = cpu_native.gemv()
+    function = cpu_native.function("pagedq_gemv")
     if function is None:
         raise RuntimeError("cpu_gemv.c could not be built on this machine")
     rows, in_features = x.shape

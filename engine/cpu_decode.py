@@ -1,0 +1,94 @@
+"""The CPU's counterpart of ``engine.cuda_graph``: decode steps of up to ``MAX_ROWS``
+sequences run as one native call (``kernels.cpu_decode``) in place of the model's modules.
+
+Why: at one stream a SmolLM2 step took 21 ms, of which the linear layers, at the memory's
+rate, were 12.6; the rest was the small ops and the Python around some 330 module and kernel
+calls a step, each slow on caches the weights had just flushed. The native step runs the same
+C functions those calls reach, so a row's bits do not depend on which path ran it (the tests
+check each row against the modules' batch), and the modules keep every other step.
+
+It binds where every piece has its C form: a float32 Llama-family model on the ``"cpu"``
+kernel backend with the C attention body, every linear layer packed for ``cpu_gemv``, and a
+float32 KV pool. Elsewhere (fp8 caches, quantized weights, numba-only machines,
+``PAGEDQ_NATIVE_KERNELS=0``) ``bind`` returns None and the modules run every step.
+"""
+
+import torch
+from torch import nn
+
+import kernels
+from engine.context import Context
+from engine.cpu_linear import PackedLinear
+from kernels import cpu_decode
+
+
+class CpuDecode:
+    def __init__(self, model: nn.Module, step: cpu_decode.DecodeStep) -> None:
+        self.model = model
+        self.step = step
+
+    @classmethod
+    def bind(cls, model: nn.Module, block_size: int) -> "CpuDecode | None":
+        """The model's native decode step over its bound KV pools, or None where a piece has
+        no C form (see the module's docstring)."""
+        body = getattr(model, "model", None)
+        layers = list(getattr(body, "layers", []))
+        if not layers or not cpu_decode.available():
+            return None
+        attn = layers[0].self_attn
+        if (kernels.default_backend(attn.attn.k_cache.device) != "cpu"
+                or kernels.cpu_attention_body(attn.head_dim) != "c"):
+            return None
+        linears = [m for layer in layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
+            return None
+        if any(m.bias is not None for layer in layers for m in (
+                layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            return None
+        first = layers[0]
+        dims = {"layers": len(layers), "hidden": first.input_layernorm.weight.shape[0],
+                "heads": attn.num_heads, "kv_heads": attn.num_kv_heads,
+                "head_dim": attn.head_dim,
+                "intermediate": first.mlp.down_proj.in_features, "block_size": block_size,
+                "qkv_block": attn.qkv_proj.block, "o_block": attn.o_proj.block,
+                "gate_up_block": first.mlp.gate_up_proj.block,
+                "down_block": first.mlp.down_proj.block}
+        for layer in layers:  # one block per product kind: the C step takes four
+            if (layer.self_attn.qkv_proj.block, layer.self_attn.o_proj.block,
+                    layer.mlp.gate_up_proj.block, layer.mlp.down_proj.block) != (
+                    dims["qkv_block"], dims["o_block"], dims["gate_up_block"],
+                    dims["down_block"]):
+                return None
+        tensors = []
+        for layer in layers:
+            a = layer.self_attn
+            if a.attn.k_cache.dtype != torch.float32 or a.attn.k_shift is not None:
+                return None
+            tensors.append({
+                "input_norm": layer.input_layernorm.weight.detach(),
+                "qkv": a.qkv_proj.panels, "qkv_bias": a.qkv_proj.bias,
+                "o_proj": a.o_proj.panels,
+                "post_norm": layer.post_attention_layernorm.weight.detach(),
+                "gate_up": layer.mlp.gate_up_proj.panels, "down": layer.mlp.down_proj.panels,
+                "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache})
+        norm = body.norm
+        step = cpu_decode.DecodeStep(dims, tensors, norm.weight.detach(), attn.rotary.cos,
+                                     attn.rotary.sin, norm.eps, attn.attn.scale)
+        return cls(model, step)
+
+    @staticmethod
+    def can_run(ctx: Context, num_tokens: int) -> bool:
+        """A step of 1 to ``MAX_ROWS`` single-token decodes, in one group (as the ``"cpu"``
+        backend groups them)."""
+        return (0 < num_tokens <= cpu_decode.MAX_ROWS and ctx.num_decode_tokens == num_tokens
+                and len(ctx.decode_groups) == 1)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            ctx: Context) -> torch.Tensor:
+        """The final norm's output for the step's tokens, as ``model(input_ids, positions)``
+        returns it."""
+        group = ctx.decode_groups[0]
+        x = self.model.model.embed_tokens(input_ids)
+        return self.step(x, positions, ctx.slot_mapping, group.block_tables, group.context_lens)

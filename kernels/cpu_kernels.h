@@ -1,0 +1,66 @@
+/* What the C kernels share: the functions each source exports (for cpu_decode.c, which calls
+ * the others), the attention's chunk of keys, and the vector helpers (AVX2 + FMA), so that the
+ * attention's softmax and the SiLU take one exp. */
+#ifndef PAGEDQ_CPU_KERNELS_H
+#define PAGEDQ_CPU_KERNELS_H
+#include <immintrin.h>
+#include <stdint.h>
+
+/* a token's attention is computed in chunks of this many key positions (cpu_attention.c) */
+#define CHUNK 256
+
+void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, const float *bias,
+                 float *y, int64_t ldy, int64_t n, int64_t k, int64_t block, int64_t threads);
+void pagedq_attend_part(const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *table, int64_t t_begin, int64_t t_end, float scale,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, int64_t kv_begin, int64_t kv_end, float *m,
+                        float *s, float *acc);
+void pagedq_attend_combine(const float *m, const float *s, const float *acc, int64_t chunks,
+                           int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
+                           float *out);
+void pagedq_rms_norm(const float *x, const float *residual, const float *weight, float eps,
+                     float *out, float *res_out, int64_t rows, int64_t size, int64_t threads);
+void pagedq_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *cos,
+                   const float *sin, const int64_t *positions, float *out_q, float *out_k,
+                   int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t threads);
+void pagedq_silu_and_mul(const float *x, float *out, int64_t rows, int64_t size,
+                         int64_t threads);
+void pagedq_store_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                     float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens,
+                     int64_t row);
+
+/* Lane k of the result: the sum of a[k]'s 8 lanes. */
+static inline __m256 sum8(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* exp of 8 floats (Cephes' expf: 2^n times a degree-7 polynomial; within 2 ulp of the true
+ * value for -87.3 <= x <= 88, 0 below, where it would leave float's normal range, and exp(88)
+ * above, where 2^n would overflow the exponent's bits). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                               _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+#endif

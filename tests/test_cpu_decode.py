@@ -1,0 +1,136 @@
+"""The native decode step (``engine.cpu_decode``, ``kernels/cpu_decode.c``): its rows have the
+bits the model's modules give them, alone and in any batch, and it stands aside where a piece
+has no C form. And the C row ops it shares with the modules (``kernels/cpu_rows.c``)."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.context import Context, DecodeGroup, set_context
+from engine.model_runner import ModelRunner
+from kernels import cpu_decode, cpu_rows, reference
+
+BLOCK = 16
+
+
+def _batch(runner: ModelRunner, lens: list[int],
+           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    """One decode token per sequence of these context lengths, each sequence in its own
+    shuffled blocks of the pool."""
+    width = -(-max(lens) // BLOCK)
+    tables = torch.randperm(runner.num_kv_blocks, generator=gen)[:len(lens) * width]
+    tables = tables.view(len(lens), width).to(torch.int32)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.stack([tables[i, p // BLOCK] * BLOCK + p % BLOCK
+                         for i, p in enumerate(positions.tolist())]).to(torch.int64)
+    ids = torch.randint(0, 100, (len(lens),), generator=gen)
+    ctx = Context(slot_mapping=slots, num_decode_tokens=len(lens))
+    ctx.decode_groups = [DecodeGroup(0, len(lens), tables, torch.tensor(lens, dtype=torch.int32))]
+    return ids, positions, ctx
+
+
+def _modules(runner: ModelRunner, ids: torch.Tensor, positions: torch.Tensor,
+             ctx: Context) -> torch.Tensor:
+    set_context(ctx)
+    try:
+        return runner.model(ids, positions)
+    finally:
+        set_context(None)
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_llama3", "tiny_mistral"])
+def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequest,
+                                          make_llm: Callable[..., LLM]) -> None:
+    """1 to 4 rows, contexts from one token to several blocks and past the attention's chunk
+    of 256 keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the
+    modules on the same rows, and each row alone against the modules' batch of six (its
+    attention's chunks in a row, its products oneDNN's)."""
+    llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=256)
+    runner = llm.engine.model_runner
+    assert runner.cpu_decode is not None
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        runner.kv_cache.normal_(generator=gen)
+        for lens in ([1], [600, 2], [BLOCK, 256, 257], [3, 64, BLOCK + 1, 513]):
+            ids, positions, ctx = _batch(runner, lens, gen)
+            before = runner.kv_cache.clone()
+            want = _modules(runner, ids, positions, ctx)
+            stored = runner.kv_cache.clone()
+            runner.kv_cache.copy_(before)
+            assert runner.cpu_decode.can_run(ctx, len(lens))
+            got = runner.cpu_decode.run(ids, positions, ctx)
+            assert torch.equal(got, want), lens
+            assert torch.equal(runner.kv_cache, stored), lens  # the same KV, in the same slots
+        ids, positions, ctx = _batch(runner, [5, 300, 12, 1, 520, 20], gen)
+        crowd = _modules(runner, ids, positions, ctx)
+        group = ctx.decode_groups[0]
+        for i in range(6):
+            alone = Context(slot_mapping=ctx.slot_mapping[i:i + 1], num_decode_tokens=1)
+            alone.decode_groups = [DecodeGroup(0, 1, group.block_tables[i:i + 1],
+                                               group.context_lens[i:i + 1])]
+            got = runner.cpu_decode.run(ids[i:i + 1], positions[i:i + 1], alone)
+            assert torch.equal(got[0], crowd[i]), i
+
+
+def test_engine_streams_the_same_with_and_without_it(tiny_llama: Path,
+                                                     make_llm: Callable[..., LLM]) -> None:
+    """Greedy and seeded streams, logprobs included, whether decode steps of up to four
+    sequences run natively or through the modules."""
+    prompts = [[5 + i] * (3 + 11 * i) for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2)]
+    runs = []
+    for native in (True, False):
+        llm = make_llm(tiny_llama)
+        if not native:
+            llm.engine.model_runner.cpu_decode = None
+        outs = llm.generate(prompts, [params[i % 2] for i in range(3)], use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert runs[0] == runs[1]
+
+
+def test_it_stands_aside_for_fp8_caches(tiny_llama: Path, make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(tiny_llama, kv_cache_dtype="fp8_e4m3")
+    assert llm.engine.model_runner.cpu_decode is None
+
+
+def test_step_checks_its_inputs() -> None:
+    norm = torch.ones(8)
+    with pytest.raises(ValueError, match="lacks qkv"):
+        cpu_decode.DecodeStep(dict.fromkeys(cpu_decode.DIMS, 1), [{"input_norm": norm}], norm,
+                              norm[None], norm[None], 1e-5, 1.0)
+
+
+@pytest.mark.parametrize("width", [64, 1000, 1536])
+def test_silu_and_mul_matches_reference_and_ignores_the_batch(width: int) -> None:
+    """Width 1000: torch's own SiLU gave 1-3 elements of 3,000 rows other bits between batch
+    sizes (kernels.reference says why); the C one gives every row its bits in any batch."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(300, 2 * width, generator=gen) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's range both ways
+    out = cpu_rows.silu_and_mul(x)
+    torch.testing.assert_close(out, reference.silu_and_mul(x), atol=1e-5, rtol=1e-5)
+    alone = torch.cat([cpu_rows.silu_and_mul(x[i:i + 1]) for i in range(300)])
+    assert torch.equal(out, alone)
+
+
+def test_row_ops_ignore_the_batch() -> None:
+    """RMSNorm and rotary: 300 rows at once (split over the threads) against each row alone."""
+    gen = torch.Generator().manual_seed(1)
+    x, res = torch.randn(300, 576, generator=gen), torch.randn(300, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    out, new_res = cpu_rows.rms_norm(x, w, 1e-5, res)
+    for i in (0, 151, 299):
+        one, one_res = cpu_rows.rms_norm(x[i:i + 1], w, 1e-5, res[i:i + 1])
+        assert torch.equal(one[0], out[i]) and torch.equal(one_res[0], new_res[i])
+    qkv = torch.randn(300, 15 * 64, generator=gen)
+    q, k = qkv[:, :9 * 64].view(300, 9, 64), qkv[:, 9 * 64:12 * 64].view(300, 3, 64)
+    cos, sin = torch.randn(400, 64, generator=gen), torch.randn(400, 64, generator=gen)
+    positions = torch.randint(0, 400, (300,), generator=gen)
+    out_q, out_k = cpu_rows.rotary(q, k, cos, sin, positions)
+    for i in (0, 151, 299):
+        one_q, one_k = cpu_rows.rotary(q[i:i + 1], k[i:i + 1], cos, sin, positions[i:i + 1])
+        assert torch.equal(one_q[0], out_q[i]) and torch.equal(one_k[0], out_k[i])
