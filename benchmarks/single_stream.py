@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
 
     rng = np.random.default_rng(0)
     ids = common.usable_token_ids(path)
-    prompts = {n: common.random_prompt(rng, ids, n) for n in args.prompt_lens}
+    # fresh prompts each round, the same for every way in it: no prefix-cache hits on repeats
+    prompts = [{n: common.random_prompt(rng, ids, n) for n in args.prompt_lens}
+               for _ in range(args.rounds)]
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
     bandwidth, weights = read_bandwidth_gb_s(), step_bytes(llm)
     floor = bandwidth * 1e9 / weights
@@ -180,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
             ways.append(("queue", lambda p: via_queue(client, p, args.max_tokens)))
         ways += start_llamacpp(args, threads, stack)
         for _way, run in ways:  # warm-up: numba's first calls, the worker's engine start
-            run(prompts[args.prompt_lens[0]][:16])
+            run(common.random_prompt(rng, ids, 16))
         for r in range(args.rounds):
-            for n, prompt in prompts.items():
+            for n, prompt in prompts[r].items():
                 tokens = {}
                 for way, run in ways:
                     result, tokens[way] = run(prompt)
