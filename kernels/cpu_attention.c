@@ -18,6 +18,18 @@
 
 #include "cpu_kernels.h"
 
+/* keys ahead whose K and V rows the scores' loop asks the memory for (V's for the values'
+ * loop after it). One thread on cold keys, SmolLM2's 3 KV heads: 280 ns a key without, 175
+ * with 8 keys ahead, 186 with 32 (Xeon, 2 cores) */
+#define PREFETCH 8
+
+static inline void prefetch_row(const float *k, const float *v, int64_t head_dim) {
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        _mm_prefetch((const char *)(k + d), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + d), _MM_HINT_T0);
+    }
+}
+
 /* Keys t_begin to t_end of one query token, for KV heads kv_begin to kv_end: per query head g,
  * m[g] the highest score, s[g] the sum of exp(score - m[g]) and acc[g][:] the sum of
  * exp(score - m[g]) times the key's value. */
@@ -46,6 +58,11 @@ void pagedq_attend_part(const float *restrict q, const float *restrict k_cache,
     }
     /* scores, a tile of 8 keys for every head: 8 lanes over head_dim per key, then sum8 */
     for (int64_t t0 = 0; t0 < padded; t0 += 8) {
+        if (t0 + PREFETCH < padded)
+            for (int k = 0; k < 8; k++)
+                for (int64_t h = kv_begin; h < kv_end; h++)
+                    prefetch_row(k_cache + offsets[t0 + PREFETCH + k] + h * head_dim,
+                                 v_cache + offsets[t0 + PREFETCH + k] + h * head_dim, head_dim);
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const float *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
