@@ -21,6 +21,8 @@ from engine.context import Context
 from engine.cpu_linear import PackedLinear
 from kernels import cpu_decode
 
+MAX_ROWS = 64  # decode steps of up to this many sequences run natively
+
 
 class CpuDecode:
     def __init__(self, model: nn.Module, step: cpu_decode.DecodeStep) -> None:
@@ -82,7 +84,7 @@ class CpuDecode:
     def can_run(ctx: Context, num_tokens: int) -> bool:
         """A step of 1 to ``MAX_ROWS`` single-token decodes, in one group (as the ``"cpu"``
         backend groups them)."""
-        return (0 < num_tokens <= cpu_decode.MAX_ROWS and ctx.num_decode_tokens == num_tokens
+        return (0 < num_tokens <= MAX_ROWS and ctx.num_decode_tokens == num_tokens
                 and len(ctx.decode_groups) == 1)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,

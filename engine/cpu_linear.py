@@ -13,6 +13,7 @@ from kernels import cpu_gemv
 
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe found, tried first
+GEMV_ROWS = 64  # batches up to this many rows go to cpu_gemv where it serves, larger to oneDNN
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -59,13 +60,14 @@ class PackedLinear(DirectModule):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A row's product has the same bits in any batch. Up to ``cpu_gemv.MAX_ROWS`` rows go
-        to ``cpu_gemv`` where the probe found its block: it streams the weights at 2x oneDNN's
-        rate for so few rows (SmolLM2's layers, 2 threads). Else oneDNN: its one-row path sums
-        another way past 1,024 inputs (SmolLM2's down_proj: 1.9e-6 off its many-row result,
-        while 2 to 4,096 rows all agree), so a lone row goes in twice where the probe at load
-        saw it differ. Free at that size (161 against 164 us)."""
-        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS
+        """A row's product has the same bits in any batch. Up to ``GEMV_ROWS`` rows go to
+        ``cpu_gemv`` where the probe found its block: at one row it streams the weights at 2x
+        oneDNN's rate (SmolLM2's layers, 2 threads, an AMD EPYC), and to 64 rows it kept pace
+        with oneDNN or led (8 rows: 3.55 against 4.12 ms over SmolLM2's five shapes, a Xeon).
+        Else oneDNN: its one-row path sums another way past 1,024 inputs (SmolLM2's down_proj:
+        1.9e-6 off its many-row result, while 2 to 4,096 rows all agree), so a lone row goes in
+        twice where the probe at load saw it differ. Free at that size (161 against 164 us)."""
+        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS
                 and x.stride(1) == 1):
             return cpu_gemv.gemv(x, self.panels, self.bias, self.out_features, self.block)
         if self.pad_single_row and x.shape[0] == 1 and x.dim() == 2:
@@ -86,7 +88,7 @@ def pack_linears(model: nn.Module) -> None:
 
 
 def few_rows_path(model: nn.Module) -> str | None:
-    """For the start-up log: what computes a decode of up to ``cpu_gemv.MAX_ROWS`` rows in the
+    """For the start-up log: what computes a decode of up to ``GEMV_ROWS`` rows in the
     packed layers, ``"c"`` (every layer found its block), ``"onednn"`` (none did) or ``"c in
     a of b layers"``; None where no layer is packed."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]

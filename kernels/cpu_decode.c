@@ -1,4 +1,4 @@
-/* A Llama-family decode step for 1 to MAX_ROWS sequences in one call, float32: every layer's
+/* A Llama-family decode step for a batch of sequences in one call, float32: every layer's
  * norms, products, rotary, KV store and attention, and the final norm, with no Python between
  * them. Compiled at first use by kernels/cpu_native.py with cpu_rows.c, cpu_gemv.c and
  * cpu_attention.c; called by engine/cpu_decode.py.
@@ -24,12 +24,9 @@ enum { LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, QKV_
 enum { INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE,
        NUM_TENSORS };
 
-#define MAX_ROWS 4 /* kernels/cpu_gemv.py's MAX_ROWS */
-
 /* x [rows][hidden]: the tokens' embeddings in, the final norm's output out. positions and
  * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
- * included). Returns 0; -1 for rows outside 1..MAX_ROWS or where scratch memory could not be
- * had (x is then undefined). */
+ * included). Returns 0, or -1 where scratch memory could not be had (x is then undefined). */
 int pagedq_decode(const int64_t *dims, const float *const *layers, const float *final_norm,
                   const float *cos, const float *sin, float eps, float scale, float *x,
                   int64_t rows, const int64_t *positions, const int64_t *slots,
@@ -39,7 +36,6 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
     const int64_t head_dim = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    if (rows < 1 || rows > MAX_ROWS) return -1;
     float *buffer = malloc(sizeof(float) * (size_t)(rows * (2 * hidden + qkv_size + 2 * q_size +
                                                             kv_size + 3 * inter)));
     if (!buffer) return -1;
@@ -48,7 +44,12 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
     float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * inter;
     /* the attention's chunk partials: row r's chunks are first_chunk[r] to first_chunk[r + 1],
      * its tasks first_task[r] to first_task[r + 1] */
-    int64_t first_chunk[MAX_ROWS + 1] = {0}, first_task[MAX_ROWS + 1] = {0};
+    int64_t *first_chunk = calloc((size_t)(2 * rows + 2), sizeof(int64_t));
+    if (!first_chunk) {
+        free(buffer);
+        return -1;
+    }
+    int64_t *first_task = first_chunk + rows + 1;
     for (int64_t r = 0; r < rows; r++)
         first_chunk[r + 1] = first_chunk[r] + (context_lens[r] + CHUNK - 1) / CHUNK;
     const int64_t chunks = first_chunk[rows], split = chunks < 2 * threads ? kv_heads : 1;
@@ -58,6 +59,7 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
     float *part_acc = malloc(sizeof(float) * (size_t)(chunks * q_size));
     if (!part_m || !part_acc) {
         free(buffer);
+        free(first_chunk);
         free(part_m);
         free(part_acc);
         return -1;
@@ -114,6 +116,7 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
     }
     pagedq_rms_norm(x, residual, final_norm, eps, x, residual, rows, hidden, 1);
     free(buffer);
+    free(first_chunk);
     free(part_m);
     free(part_acc);
     return 0;

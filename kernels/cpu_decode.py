@@ -1,4 +1,4 @@
-"""A Llama-family decode step for 1 to ``MAX_ROWS`` sequences as one C call (``cpu_decode.c``,
+"""A Llama-family decode step for a batch of sequences as one C call (``cpu_decode.c``,
 built by ``kernels.cpu_native``): the layers' weights and KV pools bound once, each step's
 tokens, positions, slots and block tables passed in.
 
@@ -10,7 +10,6 @@ between them. ``engine.cpu_decode`` decides when it may run and binds the model 
 import torch
 
 from kernels import cpu_native
-from kernels.cpu_gemv import MAX_ROWS
 
 # cpu_decode.c's enums: the model's dimensions, then each layer's tensors, in these orders
 DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size",
@@ -66,8 +65,8 @@ class DecodeStep:
         final norm's output. ``positions`` and ``slots`` int64 [rows], ``block_tables`` int32
         [rows, width], ``context_lens`` int32 [rows] (this token included)."""
         rows = x.shape[0]
-        if not 0 < rows <= MAX_ROWS or not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError(f"the decode step takes 1..{MAX_ROWS} contiguous float32 rows, "
+        if rows == 0 or not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError("the decode step takes contiguous float32 rows, "
                              f"got {x.dtype} {tuple(x.shape)}")
         # held in names until the call returns: the C step reads their memory
         positions = positions.to(torch.int64).contiguous()

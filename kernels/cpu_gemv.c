@@ -47,47 +47,87 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 }
 #endif
 
-#define MAX_ROWS 4
+/* A tile: TILE rows by PANELS panels, computed together over one pass of the panels' weights.
+ * Their block sums sit in registers (TILE * PANELS vectors: 16 of AVX-512's 32, 8 of AVX2's
+ * 16 ymm pairs), each weight load feeds TILE FMAs and each input PANELS. */
+#ifdef __AVX512F__
+#define TILE 8
+#define PANELS 2
+#else
+#define TILE 4
+#define PANELS 1
+#endif
 
-/* One panel's 16 outputs for `rows` rows (a constant where it is inlined). */
-static inline __attribute__((always_inline)) void panel(
-        const float *x, int64_t ldx, const int rows, const float *w, const float *bias,
-        float *y, int64_t ldy, int64_t k, int64_t block, int64_t lanes) {
-    vec16 total[MAX_ROWS], part[MAX_ROWS];
+/* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
+ * where it is inlined. Panel j's weights at w + j * k * 16. */
+static inline __attribute__((always_inline)) void tile(
+        const float *x, int64_t ldx, const int rows, const int panels, const float *w,
+        const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
+        const int64_t *lanes) {
+    vec16 total[TILE][PANELS], part[TILE][PANELS];
     for (int64_t k0 = 0; k0 < k; k0 += block) {
         const int64_t k1 = k0 + block < k ? k0 + block : k;
-        for (int r = 0; r < rows; r++) part[r] = zero16();
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < panels; j++) part[r][j] = zero16();
         for (int64_t i = k0; i < k1; i++) {
-            const vec16 wv = load16(w + i * 16);
-            for (int r = 0; r < rows; r++) part[r] = fma16(x[r * ldx + i], wv, part[r]);
+            vec16 wv[PANELS];
+            for (int j = 0; j < panels; j++) wv[j] = load16(w + j * k * 16 + i * 16);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < panels; j++)
+                    part[r][j] = fma16(x[r * ldx + i], wv[j], part[r][j]);
         }
-        for (int r = 0; r < rows; r++) total[r] = k0 == 0 ? part[r] : add16(total[r], part[r]);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < panels; j++)
+                total[r][j] = k0 == 0 ? part[r][j] : add16(total[r][j], part[r][j]);
     }
-    for (int r = 0; r < rows; r++) {
-        if (bias) {
-            float b[16] = {0};
-            for (int64_t i = 0; i < lanes; i++) b[i] = bias[i];
-            total[r] = add16(total[r], load16(b));
-        }
-        store16(y + r * ldy, total[r], lanes);
+    for (int j = 0; j < panels; j++) {
+        float b[16] = {0};
+        for (int64_t i = 0; bias && i < lanes[j]; i++) b[i] = bias[j * 16 + i];
+        for (int r = 0; r < rows; r++)
+            store16(y + r * ldy + j * 16, bias ? add16(total[r][j], load16(b)) : total[r][j],
+                    lanes[j]);
     }
 }
 
+/* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS), as constants. */
+static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels, const float *w,
+                     const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
+                     const int64_t *lanes) {
+#define TILE_CASE(R)                                                                   \
+    case R:                                                                            \
+        if (panels == PANELS) tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes); \
+        else tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes);                     \
+        break;
+    switch (rows) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+#if TILE == 8
+        TILE_CASE(4)
+        TILE_CASE(5)
+        TILE_CASE(6)
+        TILE_CASE(7)
+#endif
+        default: TILE_CASE(TILE)
+    }
+#undef TILE_CASE
+}
+
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
- * bias (or NULL); rows from 1 to MAX_ROWS, k > 0. */
+ * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each
+ * group's rows in tiles of TILE (its weights read again per tile, from the cache). */
 void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, const float *bias,
                  float *y, int64_t ldy, int64_t n, int64_t k, int64_t block, int64_t threads) {
-    const int64_t panels = (n + 15) / 16;
+    const int64_t panels = (n + 15) / 16, groups = (panels + PANELS - 1) / PANELS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t lanes = n - p * 16 < 16 ? n - p * 16 : 16;
-        const float *wp = w + p * k * 16, *bp = bias ? bias + p * 16 : 0;
-        float *yp = y + p * 16;
-        switch (rows) {
-            case 1: panel(x, ldx, 1, wp, bp, yp, ldy, k, block, lanes); break;
-            case 2: panel(x, ldx, 2, wp, bp, yp, ldy, k, block, lanes); break;
-            case 3: panel(x, ldx, 3, wp, bp, yp, ldy, k, block, lanes); break;
-            default: panel(x, ldx, 4, wp, bp, yp, ldy, k, block, lanes); break;
-        }
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t p0 = g * PANELS, np = panels - p0 < PANELS ? panels - p0 : PANELS;
+        int64_t lanes[PANELS];
+        for (int64_t j = 0; j < np; j++)
+            lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE)
+            any_tile(x + r0 * ldx, ldx, rows - r0 < TILE ? rows - r0 : TILE, np,
+                     w + p0 * k * 16, bias ? bias + p0 * 16 : 0, y + r0 * ldy + p0 * 16, ldy,
+                     k, block, lanes);
     }
 }

@@ -1,6 +1,6 @@
-"""A linear layer's product for up to ``MAX_ROWS`` rows in ``cpu_gemv.c`` (built by
-``kernels.cpu_native``): the weights in panels of 16 outputs, streamed once for all the rows on
-torch's threads.
+"""A linear layer's product in ``cpu_gemv.c`` (built by ``kernels.cpu_native``): the weights
+in panels of 16 outputs, each pair of panels streamed once per tile of 8 rows (AVX-512; 4 rows
+of one panel on AVX2), on torch's threads.
 
 The C function sums in one fixed order, K in blocks of ``block`` inputs (see the source); the
 engine uses it only where that order is oneDNN's many-row one (``engine.cpu_linear`` probes
@@ -11,7 +11,6 @@ import torch
 
 from kernels import cpu_native
 
-MAX_ROWS = 4  # cpu_gemv.c's MAX_ROWS
 PANEL = 16
 
 
@@ -30,14 +29,14 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
          out_features: int, block: int) -> torch.Tensor:
-    """``x`` [rows, in] (rows <= MAX_ROWS, unit stride along in) times the packed weights,
+    """``x`` [rows, in] (unit stride along in) times the packed weights,
     plus ``bias``: [rows, out_features], float32 on the CPU."""
     function = cpu_native.function("pagedq_gemv")
     if function is None:
         raise RuntimeError("cpu_gemv.c could not be built on this machine")
     rows, in_features = x.shape
-    if not 0 < rows <= MAX_ROWS or x.stride(1) != 1 or panels.shape[1] != in_features:
-        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of {panels.shape[1]} inputs with unit "
+    if rows == 0 or x.stride(1) != 1 or panels.shape[1] != in_features:
+        raise ValueError(f"gemv takes rows of {panels.shape[1]} inputs with unit "
                          f"stride, got shape {tuple(x.shape)} stride {x.stride()}")
     y = torch.empty(rows, out_features)
     function(x.data_ptr(), x.stride(0), rows, panels.data_ptr(),

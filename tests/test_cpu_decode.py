@@ -10,6 +10,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.context import Context, DecodeGroup, set_context
+from engine.cpu_decode import MAX_ROWS
+from engine.cpu_linear import GEMV_ROWS
 from engine.model_runner import ModelRunner
 from kernels import cpu_decode, cpu_rows, reference
 
@@ -19,10 +21,12 @@ BLOCK = 16
 def _batch(runner: ModelRunner, lens: list[int],
            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Context]:
     """One decode token per sequence of these context lengths, each sequence in its own
-    shuffled blocks of the pool."""
+    shuffled blocks of the pool (its table padded with block 0)."""
     width = -(-max(lens) // BLOCK)
-    tables = torch.randperm(runner.num_kv_blocks, generator=gen)[:len(lens) * width]
-    tables = tables.view(len(lens), width).to(torch.int32)
+    free = torch.randperm(runner.num_kv_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        tables[i, :-(-n // BLOCK)] = torch.tensor([free.pop() for _ in range(-(-n // BLOCK))])
     positions = torch.tensor([n - 1 for n in lens])
     slots = torch.stack([tables[i, p // BLOCK] * BLOCK + p % BLOCK
                          for i, p in enumerate(positions.tolist())]).to(torch.int64)
@@ -44,17 +48,18 @@ def _modules(runner: ModelRunner, ids: torch.Tensor, positions: torch.Tensor,
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_llama3", "tiny_mistral"])
 def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequest,
                                           make_llm: Callable[..., LLM]) -> None:
-    """1 to 4 rows, contexts from one token to several blocks and past the attention's chunk
+    """1 to 12 rows, contexts from one token to several blocks and past the attention's chunk
     of 256 keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the
-    modules on the same rows, and each row alone against the modules' batch of six (its
-    attention's chunks in a row, its products oneDNN's)."""
+    modules on the same rows; and each row alone against the modules' batch of 70 (past
+    ``MAX_ROWS``: its attention's chunks in a row, its products oneDNN's)."""
     llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=256)
     runner = llm.engine.model_runner
     assert runner.cpu_decode is not None
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         runner.kv_cache.normal_(generator=gen)
-        for lens in ([1], [600, 2], [BLOCK, 256, 257], [3, 64, BLOCK + 1, 513]):
+        for lens in ([1], [600, 2], [BLOCK, 256, 257], [3, 64, BLOCK + 1, 513],
+                     [7 * i + 1 for i in range(12)]):
             ids, positions, ctx = _batch(runner, lens, gen)
             before = runner.kv_cache.clone()
             want = _modules(runner, ids, positions, ctx)
@@ -64,10 +69,13 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
             got = runner.cpu_decode.run(ids, positions, ctx)
             assert torch.equal(got, want), lens
             assert torch.equal(runner.kv_cache, stored), lens  # the same KV, in the same slots
-        ids, positions, ctx = _batch(runner, [5, 300, 12, 1, 520, 20], gen)
+        lens = [5, 300, 12, 1, 520, 20] + [1 + i % 30 for i in range(64)]
+        assert len(lens) > MAX_ROWS >= GEMV_ROWS
+        ids, positions, ctx = _batch(runner, lens, gen)
+        assert not runner.cpu_decode.can_run(ctx, len(lens))
         crowd = _modules(runner, ids, positions, ctx)
         group = ctx.decode_groups[0]
-        for i in range(6):
+        for i in range(len(lens)):
             alone = Context(slot_mapping=ctx.slot_mapping[i:i + 1], num_decode_tokens=1)
             alone.decode_groups = [DecodeGroup(0, 1, group.block_tables[i:i + 1],
                                                group.context_lens[i:i + 1])]
@@ -77,8 +85,8 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
 
 def test_engine_streams_the_same_with_and_without_it(tiny_llama: Path,
                                                      make_llm: Callable[..., LLM]) -> None:
-    """Greedy and seeded streams, logprobs included, whether decode steps of up to four
-    sequences run natively or through the modules."""
+    """Greedy and seeded streams, logprobs included, whether decode steps run natively or
+    through the modules."""
     prompts = [[5 + i] * (3 + 11 * i) for i in range(3)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2)]
