@@ -171,7 +171,8 @@ class Result:
 
     @property
     def tok_cpu_s(self) -> float:
-        return self.output_tokens / self.cpu_seconds
+        """NaN for a run under the CPU clock's 10 ms tick (a tiny model's can take none)."""
+        return self.output_tokens / self.cpu_seconds if self.cpu_seconds > 0 else float("nan")
 
 
 def check_lengths(system: str, tokens: list[list[int]], expected: list[int]) -> None:

@@ -141,6 +141,12 @@ def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tup
     return same, first
 
 
+def _rate(tokens: int, seconds: float) -> float:
+    """tokens / seconds; NaN for a run under the clock's tick (CPU time counts in 10 ms ticks:
+    a tiny model's run can take none)."""
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
 def report(title: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Prints one row per run (pagedq's run of the same round as each ratio's numerator and
     the greedy reference; sampled requests are compared too, but agree only by chance) and
@@ -150,13 +156,13 @@ def report(title: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         base = ours[r["round"]]
         out = sum(len(s) for req in r["tokens"] for s in req)
-        tok_s, tok_cpu = out / r["seconds"], out / r["cpu_seconds"]
+        tok_s, tok_cpu = _rate(out, r["seconds"]), _rate(out, r["cpu_seconds"])
         base_out = sum(len(s) for req in base["tokens"] for s in req)
         same, first = agreement(base["tokens"], r["tokens"])
         rows.append({"system": r["system"], "round": r["round"], "seconds": r["seconds"],
                      "tok_s": tok_s, "pagedq_x": base_out / base["seconds"] / tok_s,
                      "cpu_seconds": r["cpu_seconds"], "tok_cpu_s": tok_cpu,
-                     "pagedq_x_cpu": base_out / base["cpu_seconds"] / tok_cpu,
+                     "pagedq_x_cpu": _rate(base_out, base["cpu_seconds"]) / tok_cpu,
                      "peak_rss_mb": r["peak_rss_mb"], "identical": f"{same}/{len(r['tokens'])}",
                      "first_divergence": first, "load": r["load"], "extra": r.get("extra", {})})
     print(f"\n== {title} ==")
