@@ -66,20 +66,23 @@ def main(argv: list[str] | None = None) -> None:
 
     rng = np.random.default_rng(0)
     ids = common.usable_token_ids(path)
-    prompts = [common.random_prompt(rng, ids, args.prompt_len) for _ in range(args.concurrent)]
+    # fresh prompts each round: a repeat would hit pagedq's prefix cache (llama.cpp's servers
+    # start afresh each round), and skip the prefill
+    prompts = [[common.random_prompt(rng, ids, args.prompt_len) for _ in range(args.concurrent)]
+               for _ in range(args.rounds)]
     llm = LLM(str(path), dtype="float32", device="cpu")
-    run_pagedq(llm, [prompts[0][:8]], 4)  # warm-up: numba's first calls
+    run_pagedq(llm, [common.random_prompt(rng, ids, 8)], 4)  # warm-up: numba's first calls
     ctx = args.prompt_len + args.max_tokens + 16
     servers = {way: llamacpp.LlamaServer(kind, threads=threads, slots=args.concurrent, ctx=ctx,
                                          kv=kind, flash=kind == "f16")
                for way, kind in (("llama.cpp F32", "f32"), ("llama.cpp F16+FA", "f16"))}
     rows = []
     for r in range(args.rounds):
-        seconds, ours = run_pagedq(llm, prompts, args.max_tokens)
+        seconds, ours = run_pagedq(llm, prompts[r], args.max_tokens)
         rows.append({"way": "pagedq", "round": r, "seconds": seconds, "same": len(ours)})
         for way, server in servers.items():
             with server:
-                seconds, theirs = run_llamacpp(server, prompts, args.max_tokens)
+                seconds, theirs = run_llamacpp(server, prompts[r], args.max_tokens)
             same = sum(a == b for a, b in zip(ours, theirs, strict=True))
             rows.append({"way": way, "round": r, "seconds": seconds, "same": same})
         for row in rows[-3:]:

@@ -8,6 +8,7 @@ in MKL's ``scopy`` against 24% in its kernel). oneDNN takes a weight packed once
 import torch
 from torch import nn
 
+from engine.cpu_malloc import HugePageArena
 from engine.direct_module import DirectModule
 from kernels import cpu_gemv
 
@@ -81,10 +82,17 @@ def pack_linears(model: nn.Module) -> None:
     is packed too, its embedding kept for lookups: that holds vocab x hidden floats twice (113
     MB on SmolLM2) but spares repacking the largest matrix at every step (12% of the CPU time
     on SmolLM2, py-spy)."""
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if type(child) is nn.Linear:
-                setattr(module, name, PackedLinear(child))
+    linears = [(module, name, child) for module in list(model.modules())
+               for name, child in module.named_children() if type(child) is nn.Linear]
+    # cpu_gemv's panels in huge pages, each moved there as its layer is packed (one layer's
+    # copy at a time beside the arena)
+    arena = HugePageArena(sum(-(-c.out_features // cpu_gemv.PANEL) * cpu_gemv.PANEL
+                              * c.in_features for _, _, c in linears))
+    for module, name, child in linears:
+        layer = PackedLinear(child)
+        if layer.panels is not None:
+            layer.panels = arena.take(layer.panels)
+        setattr(module, name, layer)
 
 
 def few_rows_path(model: nn.Module) -> str | None:
