@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM
 from engine.cpu_linear import GEMV_ROWS, PackedLinear
+from engine.cpu_malloc import HugePageArena
 from kernels import cpu_gemv, cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler or AVX2 here")
@@ -61,3 +62,20 @@ def test_the_engine_says_what_computes_few_rows(tiny_llama3) -> None:
     assert path in ("c", "onednn") or path.startswith("c in ")
     if cpu_native._cpu_has("avx512f"):
         assert path == "c"
+
+
+def test_panels_share_one_arena_in_huge_pages(tiny_llama3) -> None:
+    """Every layer's panels are views of one allocation that starts on a 2 MiB boundary (the
+    part ``madvise`` asks to be backed by huge pages), and the arena refuses to overflow."""
+    model = LLM(str(tiny_llama3)).engine.model_runner.model
+    panels = [m.panels for m in model.modules() if isinstance(m, PackedLinear)]
+    if not cpu_native._cpu_has("avx512f"):
+        panels = [p for p in panels if p is not None]
+    assert panels and all(p is not None for p in panels)
+    storage = {p.untyped_storage().data_ptr() for p in panels}
+    assert len(storage) == 1
+    assert min(p.data_ptr() for p in panels) % (2 << 20) == 0
+    arena = HugePageArena(10)
+    assert torch.equal(arena.take(torch.arange(6.0).view(2, 3)), torch.arange(6.0).view(2, 3))
+    with pytest.raises(ValueError, match="no room"):
+        arena.take(torch.ones(5))
