@@ -30,6 +30,67 @@ static inline void prefetch_row(const float *k, const float *v, int64_t head_dim
     }
 }
 
+/* Query heads one load of a key's (or value's) row feeds: the sub-group's accumulators (8
+ * keys by QGROUP heads) need AVX-512's 32 vector registers; AVX2's 16 hold one head's. */
+#ifdef __AVX512F__
+#define QGROUP 3
+#else
+#define QGROUP 1
+#endif
+
+/* The scores of 8 keys (rows[k], one KV head's) for the G query heads from g0: per head and
+ * key, 8 lanes over head_dim, an FMA chain in d's order, then sum8. Every key row is loaded
+ * once for the G heads. */
+static inline __attribute__((always_inline)) void score_tile(
+        const float *qs, const float *const *rows, int64_t head_dim, const int G, int64_t g0,
+        float *scores, int64_t padded, int64_t t0) {
+    __m256 a[QGROUP][8];
+    for (int g = 0; g < G; g++)
+        for (int k = 0; k < 8; k++) a[g][k] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        __m256 qv[QGROUP];
+        for (int g = 0; g < G; g++) qv[g] = _mm256_load_ps(qs + (g0 + g) * head_dim + d);
+        for (int k = 0; k < 8; k++) {
+            const __m256 kv = _mm256_loadu_ps(rows[k] + d);
+            for (int g = 0; g < G; g++) a[g][k] = _mm256_fmadd_ps(qv[g], kv, a[g][k]);
+        }
+    }
+    for (int g = 0; g < G; g++) _mm256_store_ps(scores + (g0 + g) * padded + t0, sum8(a[g]));
+}
+
+/* Adds n keys' weighted values (rows[k]) to the G query heads' sums from g0: each lane a chain
+ * of FMAs in key order. In 16 lanes where head_dim allows (AVX-512): lane j of a 16-wide step
+ * is the lane its 8-wide step would be, so the bits are the same. */
+static inline __attribute__((always_inline)) void value_tile(
+        const float *scores, int64_t padded, int64_t t0, const float *const *rows, int n,
+        int64_t head_dim, const int G, int64_t g0, float *sums) {
+    int64_t d = 0;
+#ifdef __AVX512F__
+    for (; d + 16 <= head_dim; d += 16) {
+        __m512 x[QGROUP];
+        for (int g = 0; g < G; g++) x[g] = _mm512_loadu_ps(sums + (g0 + g) * head_dim + d);
+        for (int k = 0; k < n; k++) {
+            const __m512 vv = _mm512_loadu_ps(rows[k] + d);
+            for (int g = 0; g < G; g++)
+                x[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * padded + t0 + k]), vv,
+                                       x[g]);
+        }
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(sums + (g0 + g) * head_dim + d, x[g]);
+    }
+#endif
+    for (; d < head_dim; d += 8) {
+        __m256 x[QGROUP];
+        for (int g = 0; g < G; g++) x[g] = _mm256_loadu_ps(sums + (g0 + g) * head_dim + d);
+        for (int k = 0; k < n; k++) {
+            const __m256 vv = _mm256_loadu_ps(rows[k] + d);
+            for (int g = 0; g < G; g++)
+                x[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(g0 + g) * padded + t0 + k]), vv,
+                                       x[g]);
+        }
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(sums + (g0 + g) * head_dim + d, x[g]);
+    }
+}
+
 /* Keys t_begin to t_end of one query token, for KV heads kv_begin to kv_end: per query head g,
  * m[g] the highest score, s[g] the sum of exp(score - m[g]) and acc[g][:] the sum of
  * exp(score - m[g]) times the key's value. */
@@ -42,9 +103,9 @@ void pagedq_attend_part(const float *restrict q, const float *restrict k_cache,
     const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
     const int64_t g_begin = kv_begin * group, g_end = kv_end * group;
     const int64_t length = t_end - t_begin, padded = (length + 7) & ~(int64_t)7;
-    float *scores = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * padded));
-    float *qs = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * head_dim));
-    float *sums = aligned_alloc(32, sizeof(float) * (size_t)(num_heads * head_dim));
+    float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * padded));
+    float *qs = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * head_dim));
+    float *sums = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * head_dim));
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)padded);
     /* each key's row in the pool; the padding repeats the last key */
     for (int64_t t = 0; t < length; t++) {
@@ -56,7 +117,7 @@ void pagedq_attend_part(const float *restrict q, const float *restrict k_cache,
         qs[i] = q[i] * scale;
         sums[i] = 0.0f;
     }
-    /* scores, a tile of 8 keys for every head: 8 lanes over head_dim per key, then sum8 */
+    /* scores, a tile of 8 keys for every head, QGROUP query heads at a time */
     for (int64_t t0 = 0; t0 < padded; t0 += 8) {
         if (t0 + PREFETCH < padded)
             for (int k = 0; k < 8; k++)
@@ -66,15 +127,11 @@ void pagedq_attend_part(const float *restrict q, const float *restrict k_cache,
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const float *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
-            for (int64_t g = h * group; g < (h + 1) * group; g++) {
-                __m256 a[8];
-                for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < head_dim; d += 8) {
-                    const __m256 qv = _mm256_load_ps(qs + g * head_dim + d);
-                    for (int k = 0; k < 8; k++)
-                        a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[k] + d), a[k]);
-                }
-                _mm256_store_ps(scores + g * padded + t0, sum8(a));
+            for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
+                const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
+                if (G == 3) score_tile(qs, rows, head_dim, 3, g, scores, padded, t0);
+                else if (G == 2) score_tile(qs, rows, head_dim, 2, g, scores, padded, t0);
+                else score_tile(qs, rows, head_dim, 1, g, scores, padded, t0);
             }
         }
     }
@@ -104,16 +161,11 @@ void pagedq_attend_part(const float *restrict q, const float *restrict k_cache,
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const float *rows[8];
             for (int k = 0; k < n; k++) rows[k] = v_cache + offsets[t0 + k] + h * head_dim;
-            for (int64_t g = h * group; g < (h + 1) * group; g++) {
-                __m256 p[8];
-                for (int k = 0; k < n; k++) p[k] = _mm256_set1_ps(scores[g * padded + t0 + k]);
-                float *ag = sums + g * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 8) {
-                    __m256 x = _mm256_load_ps(ag + d);
-                    for (int k = 0; k < n; k++)
-                        x = _mm256_fmadd_ps(p[k], _mm256_loadu_ps(rows[k] + d), x);
-                    _mm256_store_ps(ag + d, x);
-                }
+            for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
+                const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
+                if (G == 3) value_tile(scores, padded, t0, rows, n, head_dim, 3, g, sums);
+                else if (G == 2) value_tile(scores, padded, t0, rows, n, head_dim, 2, g, sums);
+                else value_tile(scores, padded, t0, rows, n, head_dim, 1, g, sums);
             }
         }
     }
