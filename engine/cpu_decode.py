@@ -18,10 +18,11 @@ from torch import nn
 
 import kernels
 from engine.context import Context
-from engine.cpu_linear import PackedLinear
+from engine.cpu_linear import GEMV_ROWS, PackedLinear
 from kernels import cpu_decode
 
-MAX_ROWS = 64  # decode steps of up to this many sequences run natively
+MAX_ROWS = GEMV_ROWS  # decode steps of up to this many sequences run natively (the products'
+# rows: past them oneDNN, which the C step does not call)
 
 
 class CpuDecode:

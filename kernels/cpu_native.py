@@ -55,7 +55,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
 SPLIT_BELOW = 4  # decode batches this small split a token's KV heads over the threads
 
 
-def _cpu_has(*flags: str) -> bool:
+def cpu_has(*flags: str) -> bool:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -88,7 +88,7 @@ def _build(compiler: str, sources: list[Path], headers: list[Path],
 @cache
 def _library() -> ctypes.CDLL | None:
     compiler = shutil.which("gcc") or shutil.which("cc")
-    if os.environ.get("PAGEDQ_NATIVE_KERNELS", "1") == "0" or compiler is None or not _cpu_has(
+    if os.environ.get("PAGEDQ_NATIVE_KERNELS", "1") == "0" or compiler is None or not cpu_has(
             "avx2", "fma"):
         return None
     here = Path(__file__).parent

@@ -50,9 +50,9 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
                                           make_llm: Callable[..., LLM]) -> None:
     """1 to 12 rows, contexts from one token to several blocks and past the attention's chunk
     of 256 keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the
-    modules on the same rows; and each row alone against the modules' batch of 70 (past
-    ``MAX_ROWS``: its attention's chunks in a row, its products oneDNN's)."""
-    llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=256)
+    modules on the same rows; and each row alone against the modules' batch of ``MAX_ROWS`` +
+    6 (past it: its attention's chunks in a row, its products oneDNN's)."""
+    llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=640)
     runner = llm.engine.model_runner
     assert runner.cpu_decode is not None
     gen = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
             got = runner.cpu_decode.run(ids, positions, ctx)
             assert torch.equal(got, want), lens
             assert torch.equal(runner.kv_cache, stored), lens  # the same KV, in the same slots
-        lens = [5, 300, 12, 1, 520, 20] + [1 + i % 30 for i in range(64)]
+        lens = [5, 300, 12, 1, 520, 20] + [1 + i % 30 for i in range(MAX_ROWS)]
         assert len(lens) > MAX_ROWS >= GEMV_ROWS
         ids, positions, ctx = _batch(runner, lens, gen)
         assert not runner.cpu_decode.can_run(ctx, len(lens))
