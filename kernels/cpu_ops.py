@@ -124,12 +124,29 @@ def _store(key: np.ndarray, value: np.ndarray, k_cache: np.ndarray, v_cache: np.
                 v_cache[blk, row, h, d] = value[t, h, d]
 
 
+def _rows(x: torch.Tensor) -> bool:
+    """Each token's [heads, dim] contiguous, tokens at any stride."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``kernels.reference.store_kvcache``'s contract in one call: the reference's mask, its
-    ``.all()`` and two ``index_copy_`` took 29 us for one token (SmolLM2, a layer), this 5."""
+    ``.all()`` and two ``index_copy_`` took 29 us for one token (SmolLM2, a layer), this 5.
+    C's copy of a row where it built (cpu_rows.c, the native decode step's): a 2,048-token
+    prefill's rows of random-26m, a layer, took numba's loop 0.29 ms and it 0.12, pool pages
+    resident. In a run most of a store is the first write of the pool's pages (1.6 ms a
+    layer): the pool is left uninitialised (``ModelRunner``), as it is by design."""
     if not cpu_float32(key, value, k_cache, v_cache):
         reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    native = cpu_native.function("pagedq_store_kv")
+    if (native is not None and _rows(key) and _rows(value) and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()):
+        native(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+               k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+               key.shape[1] * key.shape[2])
         return
     _store(key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
 
