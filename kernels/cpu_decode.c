@@ -42,29 +42,6 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
     float *residual = buffer, *normed = residual + rows * hidden, *qkv = normed + rows * hidden;
     float *q = qkv + rows * qkv_size, *k = q + rows * q_size, *attn = k + rows * kv_size;
     float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * inter;
-    /* the attention's chunk partials: row r's chunks are first_chunk[r] to first_chunk[r + 1],
-     * its tasks first_task[r] to first_task[r + 1] */
-    int64_t *first_chunk = calloc((size_t)(2 * rows + 2), sizeof(int64_t));
-    if (!first_chunk) {
-        free(buffer);
-        return -1;
-    }
-    int64_t *first_task = first_chunk + rows + 1;
-    for (int64_t r = 0; r < rows; r++)
-        first_chunk[r + 1] = first_chunk[r] + (context_lens[r] + CHUNK - 1) / CHUNK;
-    const int64_t chunks = first_chunk[rows], split = chunks < 2 * threads ? kv_heads : 1;
-    for (int64_t r = 0; r <= rows; r++) first_task[r] = first_chunk[r] * split;
-    const int64_t tasks = first_task[rows];
-    float *part_m = malloc(sizeof(float) * (size_t)(chunks * heads * 2));
-    float *part_acc = malloc(sizeof(float) * (size_t)(chunks * q_size));
-    if (!part_m || !part_acc) {
-        free(buffer);
-        free(first_chunk);
-        free(part_m);
-        free(part_acc);
-        return -1;
-    }
-    float *part_s = part_m + chunks * heads;
     for (int64_t l = 0; l < dims[LAYERS]; l++) {
         const float *const *t = layers + l * NUM_TENSORS;
         /* layer 0 norms the embeddings, which are the residual; later layers add the last
@@ -81,29 +58,11 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
                       heads, kv_heads, head_dim, 1);
         pagedq_store_kv(k, kv_size, qkv + q_size + kv_size, qkv_size, (float *)t[K_CACHE],
                         (float *)t[V_CACHE], slots, rows, kv_size);
-        /* a task per sequence and chunk of keys, every KV head (their rows lie side by side:
-         * one thread read cold keys of 3 heads at 8.8 GB/s, of 1 head at 4.4), or per KV head
-         * too where the chunks are too few for the threads */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            int64_t r = 0;
-            while (task >= first_task[r + 1]) r++;
-            const int64_t c = (task - first_task[r]) / split;
-            const int64_t h = (task - first_task[r]) % split * (kv_heads / split);
-            const int64_t part = first_chunk[r] + c, end = (c + 1) * CHUNK;
-            pagedq_attend_part(q + r * q_size, t[K_CACHE], t[V_CACHE], tables + r * table_stride,
-                               c * CHUNK, end < context_lens[r] ? end : context_lens[r], scale,
-                               heads, kv_heads, head_dim, dims[BLOCK_SIZE], h,
-                               h + kv_heads / split, part_m + part * heads,
-                               part_s + part * heads, part_acc + part * q_size);
-        }
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * kv_heads > 1)
-        for (int64_t task = 0; task < rows * kv_heads; task++) {
-            const int64_t r = task / kv_heads, h = task % kv_heads, group = heads / kv_heads;
-            const int64_t part = first_chunk[r];
-            pagedq_attend_combine(part_m + part * heads, part_s + part * heads,
-                                  part_acc + part * q_size, first_chunk[r + 1] - part, heads,
-                                  head_dim, h * group, (h + 1) * group, attn + r * q_size);
+        if (pagedq_decode_attention(q, q_size, t[K_CACHE], t[V_CACHE], tables, table_stride,
+                                    context_lens, rows, scale, attn, heads, kv_heads, head_dim,
+                                    dims[BLOCK_SIZE], threads) != 0) {
+            free(buffer);
+            return -1;
         }
         pagedq_gemv(attn, q_size, rows, t[O_PROJ], 0, x, hidden, hidden, q_size, dims[O_BLOCK],
                     threads);
@@ -116,8 +75,5 @@ int pagedq_decode(const int64_t *dims, const float *const *layers, const float *
     }
     pagedq_rms_norm(x, residual, final_norm, eps, x, residual, rows, hidden, 1);
     free(buffer);
-    free(first_chunk);
-    free(part_m);
-    free(part_acc);
     return 0;
 }

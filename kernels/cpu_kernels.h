@@ -19,6 +19,11 @@ void pagedq_attend_part(const float *q, const float *k_cache, const float *v_cac
 void pagedq_attend_combine(const float *m, const float *s, const float *acc, int64_t chunks,
                            int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
                            float *out);
+int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
+                            const float *v_cache, const int32_t *tables, int64_t table_stride,
+                            const int32_t *context_lens, int64_t rows, float scale, float *out,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t threads);
 void pagedq_rms_norm(const float *x, const float *residual, const float *weight, float eps,
                      float *out, float *res_out, int64_t rows, int64_t size, int64_t threads);
 void pagedq_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *cos,

@@ -21,7 +21,8 @@ def body(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Each test below runs on both per-token attention bodies: the C one (built here: gcc and
     AVX2 + FMA are on every machine the project runs on) and numba's fallback."""
     if request.param == "native":
-        assert cpu_native.launchers() is not None, "the C attention did not build"
+        assert cpu_native.function("pagedq_decode_attention") is not None, (
+            "the C attention did not build")
     monkeypatch.setattr(cpu_ops, "NATIVE", request.param == "native")
     return request.param
 
@@ -99,11 +100,13 @@ def test_decode_other_dtypes_fall_back() -> None:
 def test_decode_keeps_torch_thread_count() -> None:
     """numba's first parallel launch starts OpenMP on every core, which torch then reports as
     its own thread count: a worker told to use 1 thread must keep 1. A fresh process, as that
-    happens once per process; NUMBA_NUM_THREADS=2 so that it shows on a 1-core machine too."""
+    happens once per process; NUMBA_NUM_THREADS=2 so that it shows on a 1-core machine too.
+    numba's body: the C one runs on torch's own OpenMP threads, and numba never starts."""
     code = (
         "import torch\n"
         "torch.set_num_threads(1)\n"
         "from kernels import cpu_ops\n"
+        "cpu_ops.NATIVE = False\n"
         "q, k = torch.randn(2, 4, 64), torch.randn(4, 16, 2, 64)\n"
         "tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)\n"
         "ctx = torch.tensor([20, 3], dtype=torch.int32)\n"
