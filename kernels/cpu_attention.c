@@ -58,37 +58,98 @@ static inline __attribute__((always_inline)) void score_tile(
     for (int g = 0; g < G; g++) _mm256_store_ps(scores + (g0 + g) * padded + t0, sum8(a[g]));
 }
 
-/* Adds n keys' weighted values (rows[k]) to the G query heads' sums from g0: each lane a chain
- * of FMAs in key order. In 16 lanes where head_dim allows (AVX-512): lane j of a 16-wide step
- * is the lane its 8-wide step would be, so the bits are the same. */
-static inline __attribute__((always_inline)) void value_tile(
-        const float *scores, int64_t padded, int64_t t0, const float *const *rows, int n,
-        int64_t head_dim, const int G, int64_t g0, float *sums) {
-    int64_t d = 0;
+/* The values' sums run in VW lanes (16 with AVX-512, else 8), SLAB vectors of head_dim at a
+ * time: a slab's sums stay in registers over all of a query's keys. */
 #ifdef __AVX512F__
-    for (; d + 16 <= head_dim; d += 16) {
-        __m512 x[QGROUP];
-        for (int g = 0; g < G; g++) x[g] = _mm512_loadu_ps(sums + (g0 + g) * head_dim + d);
-        for (int k = 0; k < n; k++) {
-            const __m512 vv = _mm512_loadu_ps(rows[k] + d);
-            for (int g = 0; g < G; g++)
-                x[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * padded + t0 + k]), vv,
-                                       x[g]);
-        }
-        for (int g = 0; g < G; g++) _mm512_storeu_ps(sums + (g0 + g) * head_dim + d, x[g]);
-    }
+#define VW 16
+typedef __m512 vsum;
+#define VZERO _mm512_setzero_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#else
+#define VW 8
+typedef __m256 vsum;
+#define VZERO _mm256_setzero_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
 #endif
-    for (; d < head_dim; d += 8) {
-        __m256 x[QGROUP];
-        for (int g = 0; g < G; g++) x[g] = _mm256_loadu_ps(sums + (g0 + g) * head_dim + d);
-        for (int k = 0; k < n; k++) {
-            const __m256 vv = _mm256_loadu_ps(rows[k] + d);
-            for (int g = 0; g < G; g++)
-                x[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(g0 + g) * padded + t0 + k]), vv,
-                                       x[g]);
+#define SLAB 4
+
+/* sums[g][d0 .. d0 + S * VW) for the G query heads from g0: the weighted values of keys 0 to
+ * length (rows at v + offsets[t]), each lane one chain of FMAs from zero in key order. Every
+ * lane's chain is the one an 8-wide step per tile of keys makes (the previous kernel's, and
+ * AVX2's), so the bits are the same; held in registers over the keys, the G * S chains
+ * interleave, where a tile's store and reload had put each chain's latency in the way (half
+ * the attention's time in perf, SmolLM2's shapes). */
+static inline __attribute__((always_inline)) void value_slab(
+        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
+        int64_t length, const int G, const int S, int64_t g0, float *sums, int64_t head_dim,
+        int64_t d0) {
+    vsum x[QGROUP][SLAB];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < S; j++) x[g][j] = VZERO();
+    for (int64_t t = 0; t < length; t++) {
+        const float *row = v + offsets[t] + d0;
+        vsum vv[SLAB];
+        for (int j = 0; j < S; j++) vv[j] = VLOAD(row + j * VW);
+        for (int g = 0; g < G; g++) {
+            const vsum p = VSET1(scores[(g0 + g) * stride + t]);
+            for (int j = 0; j < S; j++) x[g][j] = VFMA(p, vv[j], x[g][j]);
         }
-        for (int g = 0; g < G; g++) _mm256_storeu_ps(sums + (g0 + g) * head_dim + d, x[g]);
     }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < S; j++) VSTORE(sums + (g0 + g) * head_dim + d0 + j * VW, x[g][j]);
+}
+
+#ifdef __AVX512F__
+/* value_slab for the last 8 lanes of a head_dim that 16 does not divide */
+static inline __attribute__((always_inline)) void value_tail8(
+        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
+        int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim, int64_t d0) {
+    __m256 x[QGROUP];
+    for (int g = 0; g < G; g++) x[g] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < length; t++) {
+        const __m256 vv = _mm256_loadu_ps(v + offsets[t] + d0);
+        for (int g = 0; g < G; g++)
+            x[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(g0 + g) * stride + t]), vv, x[g]);
+    }
+    for (int g = 0; g < G; g++) _mm256_storeu_ps(sums + (g0 + g) * head_dim + d0, x[g]);
+}
+#endif
+
+/* Every value slab of the G query heads from g0 (KV head h's values at v). */
+static inline __attribute__((always_inline)) void value_pass(
+        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
+        int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim) {
+    int64_t d0 = 0;
+    for (; d0 + SLAB * VW <= head_dim; d0 += SLAB * VW)
+        value_slab(scores, stride, v, offsets, length, G, SLAB, g0, sums, head_dim, d0);
+    const int64_t rest = (head_dim - d0) / VW;
+    if (rest == 3) value_slab(scores, stride, v, offsets, length, G, 3, g0, sums, head_dim, d0);
+    if (rest == 2) value_slab(scores, stride, v, offsets, length, G, 2, g0, sums, head_dim, d0);
+    if (rest == 1) value_slab(scores, stride, v, offsets, length, G, 1, g0, sums, head_dim, d0);
+    d0 += rest * VW;
+#ifdef __AVX512F__
+    if (d0 < head_dim)
+        value_tail8(scores, stride, v, offsets, length, G, g0, sums, head_dim, d0);
+#endif
+}
+
+/* The highest of x[0 .. n), n > 0: 8 lanes, then across them (a max is exact in any order;
+ * the scalar scan's chain of compares had taken a tenth of the attention's time in perf). */
+static inline float max_of(const float *x, int64_t n) {
+    __m256 top = _mm256_set1_ps(x[0]);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) top = _mm256_max_ps(_mm256_loadu_ps(x + t), top);
+    float lanes[8], best = x[0];
+    _mm256_storeu_ps(lanes, top);
+    for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
+    for (; t < n; t++) best = x[t] > best ? x[t] : best;
+    return best;
 }
 
 /* The chunk partials of nq query tokens of one sequence over the same keys from t_begin, query
@@ -157,8 +218,8 @@ static void attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
     for (int64_t i = 0; i < nq; i++) {
         const int64_t length = t_end[i] - t_begin, padded = (length + 7) & ~(int64_t)7;
         for (int64_t g = g_begin; g < g_end; g++) {
-            float *row_s = scores + (i * num_heads + g) * stride, top = row_s[0];
-            for (int64_t t = 1; t < length; t++) top = row_s[t] > top ? row_s[t] : top;
+            float *row_s = scores + (i * num_heads + g) * stride;
+            const float top = max_of(row_s, length);
             const __m256 tv = _mm256_set1_ps(top);
             __m256 total = _mm256_setzero_ps();
             for (int64_t t0 = 0; t0 < padded; t0 += 8) {
@@ -176,26 +237,19 @@ static void attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
                               ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
         }
     }
-    /* out: keys in order, 8 at a time, into each head's accumulator */
-    for (int64_t t0 = 0; t0 < longest; t0 += 8) {
-        const int most = longest - t0 < 8 ? (int)(longest - t0) : 8;
-        for (int64_t h = kv_begin; h < kv_end; h++) {
-            const float *rows[8];
-            for (int k = 0; k < most; k++) rows[k] = v_cache + offsets[t0 + k] + h * head_dim;
-            for (int64_t i = 0; i < nq; i++) {
-                const int64_t length = t_end[i] - t_begin;
-                if (t0 >= length) continue;
-                const int n = length - t0 < 8 ? (int)(length - t0) : 8;
-                const float *si = scores + i * num_heads * stride;
-                float *ai = sums + i * qsize;
-                for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
-                    const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
-                    if (G == 3) value_tile(si, stride, t0, rows, n, head_dim, 3, g, ai);
-                    else if (G == 2) value_tile(si, stride, t0, rows, n, head_dim, 2, g, ai);
-                    else value_tile(si, stride, t0, rows, n, head_dim, 1, g, ai);
-                }
+    /* out: each query head's values, its sums over the keys in order (value_pass) */
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t length = t_end[i] - t_begin;
+        const float *si = scores + i * num_heads * stride;
+        float *ai = sums + i * qsize;
+        for (int64_t h = kv_begin; h < kv_end; h++)
+            for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
+                const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
+                const float *vh = v_cache + h * head_dim;
+                if (G == 3) value_pass(si, stride, vh, offsets, length, 3, g, ai, head_dim);
+                else if (G == 2) value_pass(si, stride, vh, offsets, length, 2, g, ai, head_dim);
+                else value_pass(si, stride, vh, offsets, length, 1, g, ai, head_dim);
             }
-        }
     }
     for (int64_t i = 0; i < nq; i++)
         for (int64_t e = g_begin * head_dim; e < g_end * head_dim; e++)
