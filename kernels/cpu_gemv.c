@@ -63,11 +63,13 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 
 /* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
  * where it is inlined. Panel j's weights at w + j * k * 16. Input i also asks the memory for
- * the line pf + i * 64, for i below pf_lines (see pagedq_gemv). */
+ * the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and pf2_lines (see
+ * pagedq_gemv). */
 static inline __attribute__((always_inline)) void tile(
         const float *x, int64_t ldx, const int rows, const int panels, const float *w,
         const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
-        const int64_t *lanes, const char *pf, int64_t pf_lines) {
+        const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
+        int64_t pf2_lines) {
     vec16 total[TILE][PANELS], part[TILE][PANELS];
     for (int64_t k0 = 0; k0 < k; k0 += block) {
         const int64_t k1 = k0 + block < k ? k0 + block : k;
@@ -76,6 +78,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int64_t i = k0; i < k1; i++) {
             vec16 wv[PANELS];
             if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+            if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
             for (int j = 0; j < panels; j++) wv[j] = load16(w + j * k * 16 + i * 16);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < panels; j++)
@@ -97,12 +100,13 @@ static inline __attribute__((always_inline)) void tile(
 /* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS), as constants. */
 static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels, const float *w,
                      const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
-                     const int64_t *lanes, const char *pf, int64_t pf_lines) {
+                     const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
+                     int64_t pf2_lines) {
 #define TILE_CASE(R)                                                                   \
     case R:                                                                            \
         if (panels == PANELS)                                                          \
-            tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines);   \
-        else tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes, pf, pf_lines);       \
+            tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);   \
+        else tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);       \
         break;
     switch (rows) {
         TILE_CASE(1)
@@ -131,21 +135,32 @@ void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, cons
         int64_t lanes[PANELS];
         for (int64_t j = 0; j < np; j++)
             lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
-        /* From 3 tiles on, the tiles after the first ask for the next group's weights (its
-         * `lines` lines of 64 bytes), a line an input, while they compute on this group's from
-         * the cache: the memory works while the FMAs do, where the first tile had taken the
-         * weights from memory and the others from L2, one after the other (SmolLM2's 121
-         * layers, cold, 2 threads, AMD EPYC: 32 rows 24.7 -> 18.5-19.5 ms, 64 rows 41.8 ->
-         * 36.5; at 2 tiles it cost 16 rows 15.8 -> 18.5 ms) */
+        /* The next group's weights are asked of the memory while this group's FMAs run, a
+         * line of 64 bytes an input: with 1 tile, both of its panels in that tile; with 2, a
+         * panel in each; from 3 on, all of it in the tiles after the first, which compute on
+         * this group's weights from the cache. Without it the memory and the FMAs had taken
+         * turns (SmolLM2's 121 layers, cold, 2 threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8
+         * ms, 16 rows 17.1 -> 12.7, 32 rows 26.0 -> 18.5-21, 64 rows 41.8 -> 36.5; one row,
+         * which computes too little to wait on the memory, gained nothing and is left out) */
         const char *next = (const char *)(w + (p0 + PANELS) * k * 16);
         const int64_t next_panels = panels - p0 - np < PANELS ? panels - p0 - np : PANELS;
-        const int64_t lines = g + 1 < groups && rows > 2 * TILE ? next_panels * k : 0;
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
-            /* the lines tile r0 / TILE asks for: the (r0 / TILE - 1)-th k of them */
-            const int64_t first = r0 == 0 ? lines : (r0 / TILE - 1) * k;
+        const int64_t lines = g + 1 < groups && rows > 1 ? next_panels * k : 0;
+        const int64_t tiles = (rows + TILE - 1) / TILE;
+        for (int64_t t = 0; t < tiles; t++) {
+            /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */
+            int64_t a = 0, na = 0, b = 0, nb = 0;
+            if (tiles == 1) {
+                na = lines < k ? lines : k;
+                b = k, nb = lines - na;
+            } else if (tiles == 2 || t > 0) {
+                a = tiles == 2 ? t * k : (t - 1) * k;
+                na = lines - a < k ? lines - a : k;
+            }
+            const int64_t r0 = t * TILE;
             any_tile(x + r0 * ldx, ldx, rows - r0 < TILE ? rows - r0 : TILE, np,
                      w + p0 * k * 16, bias ? bias + p0 * 16 : 0, y + r0 * ldy + p0 * 16, ldy,
-                     k, block, lanes, next + first * 64, first < lines ? lines - first : 0);
+                     k, block, lanes, next + a * 64, na > 0 ? na : 0, next + b * 64,
+                     nb > 0 ? nb : 0);
         }
     }
 }
