@@ -67,7 +67,7 @@ def _preload(*libs: Path) -> str:
     return ":".join(str(p) for p in libs if p.exists())
 
 
-def _vllm_env(threads: int) -> dict[str, str]:
+def vllm_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # vLLM's own choice
     env.update(LD_PRELOAD=_preload(TCMALLOC, VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"),
                VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
@@ -84,7 +84,7 @@ def run(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         spec_path.write_text(json.dumps(spec))
         if system == "vllm":
             cmd = [str(VLLM_PYTHON), str(_HERE / "vllm_child.py")]
-            env = _vllm_env(spec["threads"])
+            env = vllm_env(spec["threads"])
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), system]
             env = os.environ | {"LD_PRELOAD": _preload(TCMALLOC)}  # the allocator vLLM gets
