@@ -113,3 +113,17 @@ def test_gateway(run_benchmark) -> None:
     assert out["gateway"]["trace"]["greedy_agreement"]  # the same texts on both paths
     assert out["gateway"]["streams"]["held"] == 50
     assert "throughput ratio (gateway / client)" in out["stdout"]
+
+
+def test_serve(run_benchmark) -> None:
+    """Poisson arrivals and a burst through the queue; vLLM's venv is missing here, and the
+    benchmark says so and carries on."""
+    out = run_benchmark("serve.py", "--rates", "20,burst", "--num-requests", "4",
+                        "--min-prompt", "4", "--max-prompt", "12", "--min-output", "2",
+                        "--max-output", "6")
+    results = out["serve-tiny"]["results"]
+    assert list(results) == ["pagedq"] and list(results["pagedq"]) == ["20", "burst"]
+    for r in results["pagedq"].values():
+        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 and r["tok_s"] > 0
+        assert r["keeps_up"] in (True, False)
+    assert "vllm left out: no " in out["stdout"]
