@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     traces = {rate: make_trace(args, path, rate) for rate in args.rates.split(",")}
     systems = args.systems.split(",")
     if "vllm" in systems and (why := peers.vllm_missing()):
-        log(f"vllm left out: {why}")
+        print(f"vllm left out: {why}")
         systems.remove("vllm")
     serve = {"pagedq": serve_pagedq, "vllm": serve_vllm}
     results = {}

@@ -1,21 +1,21 @@
-/* The CPU paged attention of one query token, float32, AVX2 + FMA: compiled at first use by
- * kernels/cpu_native.py and called by kernels/cpu_ops.py's decode and prefill (numba threads,
- * one token per call, for its KV heads kv_begin to kv_end). Every sum runs in an order fixed
- * here, whatever the batch around the token and whichever heads a call takes (each head's
- * arithmetic is its own), so decode and prefill give a token the same bits.
+/* The CPU paged attention's per-token body, float32, AVX2 + FMA (AVX-512 where built for it):
+ * compiled at first use by kernels/cpu_native.py; run by cpu_attention_tasks.c's parallel
+ * loops (a decode step's, a prefill's) and by cpu_decode.c. Every sum runs in an order fixed
+ * here, whatever the batch around the token, whichever heads a call takes (each head's
+ * arithmetic is its own) and however many tokens share a call's key loads, so decode and
+ * prefill give a token the same bits.
  *
  * A token's keys are taken in chunks of CHUNK positions, each chunk's softmax partial (its
- * max, its sum of exponentials and its weighted values) by pagedq_attend_part, then combined
+ * max, its sum of exponentials and its weighted values) by pagedq_attend_parts, then combined
  * in chunk order by pagedq_attend_combine. The chunks are fixed by position, not by the
- * threads: the decode step (cpu_decode.c) runs them as parallel tasks, so that one long
- * sequence uses every core (SmolLM2's 3 KV heads had split 2:1 over two), and pagedq_attend
- * runs them in a row, with the same bits.
+ * threads, so that one long sequence's chunks run on every core with the same bits.
  *
  * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_attention_values.h"
 #include "cpu_kernels.h"
 
 /* keys ahead whose K and V rows the scores' loop asks the memory for (V's for the values'
@@ -29,14 +29,6 @@ static inline void prefetch_row(const float *k, const float *v, int64_t head_dim
         _mm_prefetch((const char *)(v + d), _MM_HINT_T0);
     }
 }
-
-/* Query heads one load of a key's (or value's) row feeds: the sub-group's accumulators (8
- * keys by QGROUP heads) need AVX-512's 32 vector registers; AVX2's 16 hold one head's. */
-#ifdef __AVX512F__
-#define QGROUP 3
-#else
-#define QGROUP 1
-#endif
 
 /* The scores of 8 keys (rows[k], one KV head's) for the G query heads from g0: per head and
  * key, 8 lanes over head_dim, an FMA chain in d's order, then sum8. Every key row is loaded
@@ -56,87 +48,6 @@ static inline __attribute__((always_inline)) void score_tile(
         }
     }
     for (int g = 0; g < G; g++) _mm256_store_ps(scores + (g0 + g) * padded + t0, sum8(a[g]));
-}
-
-/* The values' sums run in VW lanes (16 with AVX-512, else 8), SLAB vectors of head_dim at a
- * time: a slab's sums stay in registers over all of a query's keys. */
-#ifdef __AVX512F__
-#define VW 16
-typedef __m512 vsum;
-#define VZERO _mm512_setzero_ps
-#define VLOAD _mm512_loadu_ps
-#define VSTORE _mm512_storeu_ps
-#define VFMA _mm512_fmadd_ps
-#define VSET1 _mm512_set1_ps
-#else
-#define VW 8
-typedef __m256 vsum;
-#define VZERO _mm256_setzero_ps
-#define VLOAD _mm256_loadu_ps
-#define VSTORE _mm256_storeu_ps
-#define VFMA _mm256_fmadd_ps
-#define VSET1 _mm256_set1_ps
-#endif
-#define SLAB 4
-
-/* sums[g][d0 .. d0 + S * VW) for the G query heads from g0: the weighted values of keys 0 to
- * length (rows at v + offsets[t]), each lane one chain of FMAs from zero in key order. Every
- * lane's chain is the one an 8-wide step per tile of keys makes (the previous kernel's, and
- * AVX2's), so the bits are the same; held in registers over the keys, the G * S chains
- * interleave, where a tile's store and reload had put each chain's latency in the way (half
- * the attention's time in perf, SmolLM2's shapes). */
-static inline __attribute__((always_inline)) void value_slab(
-        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
-        int64_t length, const int G, const int S, int64_t g0, float *sums, int64_t head_dim,
-        int64_t d0) {
-    vsum x[QGROUP][SLAB];
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < S; j++) x[g][j] = VZERO();
-    for (int64_t t = 0; t < length; t++) {
-        const float *row = v + offsets[t] + d0;
-        vsum vv[SLAB];
-        for (int j = 0; j < S; j++) vv[j] = VLOAD(row + j * VW);
-        for (int g = 0; g < G; g++) {
-            const vsum p = VSET1(scores[(g0 + g) * stride + t]);
-            for (int j = 0; j < S; j++) x[g][j] = VFMA(p, vv[j], x[g][j]);
-        }
-    }
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < S; j++) VSTORE(sums + (g0 + g) * head_dim + d0 + j * VW, x[g][j]);
-}
-
-#ifdef __AVX512F__
-/* value_slab for the last 8 lanes of a head_dim that 16 does not divide */
-static inline __attribute__((always_inline)) void value_tail8(
-        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
-        int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim, int64_t d0) {
-    __m256 x[QGROUP];
-    for (int g = 0; g < G; g++) x[g] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < length; t++) {
-        const __m256 vv = _mm256_loadu_ps(v + offsets[t] + d0);
-        for (int g = 0; g < G; g++)
-            x[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(g0 + g) * stride + t]), vv, x[g]);
-    }
-    for (int g = 0; g < G; g++) _mm256_storeu_ps(sums + (g0 + g) * head_dim + d0, x[g]);
-}
-#endif
-
-/* Every value slab of the G query heads from g0 (KV head h's values at v). */
-static inline __attribute__((always_inline)) void value_pass(
-        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
-        int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim) {
-    int64_t d0 = 0;
-    for (; d0 + SLAB * VW <= head_dim; d0 += SLAB * VW)
-        value_slab(scores, stride, v, offsets, length, G, SLAB, g0, sums, head_dim, d0);
-    const int64_t rest = (head_dim - d0) / VW;
-    if (rest == 3) value_slab(scores, stride, v, offsets, length, G, 3, g0, sums, head_dim, d0);
-    if (rest == 2) value_slab(scores, stride, v, offsets, length, G, 2, g0, sums, head_dim, d0);
-    if (rest == 1) value_slab(scores, stride, v, offsets, length, G, 1, g0, sums, head_dim, d0);
-    d0 += rest * VW;
-#ifdef __AVX512F__
-    if (d0 < head_dim)
-        value_tail8(scores, stride, v, offsets, length, G, g0, sums, head_dim, d0);
-#endif
 }
 
 /* The highest of x[0 .. n), n > 0: 8 lanes, then across them (a max is exact in any order;
@@ -160,7 +71,7 @@ static inline float max_of(const float *x, int64_t n) {
  * and values in the same order. Only the loads are shared: each tile of 8 keys' rows serves
  * every query from L1, where one query at a time had read a prefill's keys again per token
  * (random-26m's 128 prompts: 98 GB a run from L2 and L3). */
-static void attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
+void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
                          const float *restrict k_cache, const float *restrict v_cache,
                          const int32_t *restrict table, int64_t t_begin,
                          const int64_t *restrict t_end, float scale, int64_t num_heads,
@@ -260,18 +171,7 @@ static void attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
     free(offsets);
 }
 
-/* Keys t_begin to t_end of one query token, for KV heads kv_begin to kv_end (attend_parts'
- * outputs for one query). */
-void pagedq_attend_part(const float *q, const float *k_cache, const float *v_cache,
-                        const int32_t *table, int64_t t_begin, int64_t t_end, float scale,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, int64_t kv_begin, int64_t kv_end, float *m,
-                        float *s, float *acc) {
-    attend_parts(q, 0, 1, k_cache, v_cache, table, t_begin, &t_end, scale, num_heads,
-                 num_kv_heads, head_dim, block_size, kv_begin, kv_end, m, s, acc, 0);
-}
-
-/* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_part, chunk
+/* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_parts, chunk
  * c's at m + c * num_heads, s + c * num_heads, acc + c * num_heads * head_dim: each rescaled
  * by exp(its max - the highest), summed in chunk order, divided by the summed s. */
 void pagedq_attend_combine(const float *m, const float *s, const float *acc, int64_t chunks,
@@ -295,109 +195,5 @@ void pagedq_attend_combine(const float *m, const float *s, const float *acc, int
         const __m256 dv = _mm256_set1_ps(denom);
         for (int64_t d = 0; d < head_dim; d += 8)
             _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), dv));
-    }
-}
-
-/* A decode step's attention: `rows` query tokens (q and out rows ldq apart), row r over its
- * first context_lens[r] keys (its blocks at tables + r * table_stride). A task per row and
- * chunk of keys, every KV head (their rows lie side by side: one thread read cold keys of 3
- * heads at 8.8 GB/s, of 1 head at 4.4, a Xeon), or per KV head too where the chunks are too
- * few for the threads, so that one long sequence uses every core; then each row's chunks
- * combined in order. Returns 0, or -1 where scratch memory could not be had. */
-int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
-                            const float *v_cache, const int32_t *tables, int64_t table_stride,
-                            const int32_t *context_lens, int64_t rows, float scale, float *out,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t threads) {
-    /* row r's chunks are first_chunk[r] to first_chunk[r + 1], its tasks first_task[r] to
-     * first_task[r + 1] */
-    int64_t *first_chunk = malloc(sizeof(int64_t) * (size_t)(2 * rows + 2));
-    if (!first_chunk) return -1;
-    int64_t *first_task = first_chunk + rows + 1;
-    first_chunk[0] = 0;
-    for (int64_t r = 0; r < rows; r++)
-        first_chunk[r + 1] = first_chunk[r] + (context_lens[r] + CHUNK - 1) / CHUNK;
-    const int64_t chunks = first_chunk[rows];
-    const int64_t split = chunks < 2 * threads ? num_kv_heads : 1;
-    for (int64_t r = 0; r <= rows; r++) first_task[r] = first_chunk[r] * split;
-    const int64_t tasks = first_task[rows], q_size = num_heads * head_dim;
-    float *part_m = malloc(sizeof(float) * (size_t)(chunks * num_heads * 2));
-    float *part_acc = malloc(sizeof(float) * (size_t)(chunks * q_size));
-    if (!part_m || !part_acc) {
-        free(first_chunk);
-        free(part_m);
-        free(part_acc);
-        return -1;
-    }
-    float *part_s = part_m + chunks * num_heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t r = 0;
-        while (task >= first_task[r + 1]) r++;
-        const int64_t c = (task - first_task[r]) / split;
-        const int64_t h = (task - first_task[r]) % split * (num_kv_heads / split);
-        const int64_t part = first_chunk[r] + c, end = (c + 1) * CHUNK;
-        pagedq_attend_part(q + r * ldq, k_cache, v_cache, tables + r * table_stride, c * CHUNK,
-                           end < context_lens[r] ? end : context_lens[r], scale, num_heads,
-                           num_kv_heads, head_dim, block_size, h, h + num_kv_heads / split,
-                           part_m + part * num_heads, part_s + part * num_heads,
-                           part_acc + part * q_size);
-    }
-    const int64_t group = num_heads / num_kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * num_kv_heads > 1)
-    for (int64_t task = 0; task < rows * num_kv_heads; task++) {
-        const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
-        const int64_t part = first_chunk[r];
-        pagedq_attend_combine(part_m + part * num_heads, part_s + part * num_heads,
-                              part_acc + part * q_size, first_chunk[r + 1] - part, num_heads,
-                              head_dim, h * group, (h + 1) * group, out + r * ldq);
-    }
-    free(first_chunk);
-    free(part_m);
-    free(part_acc);
-    return 0;
-}
-
-/* A prefill's attention: tiles[4 * i ...] = (first query row, queries, sequence, position of
- * the first), each tile's queries consecutive tokens of one sequence; q and out [rows][heads *
- * head_dim], tables [sequences][table_stride]. A tile's queries share each chunk's key loads
- * (attend_parts), then each query's chunks combine in order: the bits pagedq_decode_attention
- * gives each token alone. The tiles run on `threads` threads, largest first as the caller
- * orders them. */
-void pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
-                    const int32_t *tables, int64_t table_stride, const int64_t *tiles,
-                    int64_t ntiles, float scale, float *out, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                    int64_t threads) {
-    const int64_t qsize = num_heads * head_dim;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t tile = 0; tile < ntiles; tile++) {
-        const int64_t row0 = tiles[4 * tile], nq = tiles[4 * tile + 1];
-        const int64_t pos0 = tiles[4 * tile + 3];
-        const int32_t *table = tables + tiles[4 * tile + 2] * table_stride;
-        const int64_t chunks = (pos0 + nq + CHUNK - 1) / CHUNK, ld_m = chunks * num_heads;
-        float *m = malloc(sizeof(float) * (size_t)(nq * ld_m));
-        float *s = malloc(sizeof(float) * (size_t)(nq * ld_m));
-        float *acc = malloc(sizeof(float) * (size_t)(nq * ld_m * head_dim));
-        int64_t *t_end = malloc(sizeof(int64_t) * (size_t)nq);
-        for (int64_t c = 0; c < chunks; c++) {
-            /* the queries that reach this chunk: query j's keys are 0 to pos0 + j */
-            const int64_t first = c * CHUNK - pos0 > 0 ? c * CHUNK - pos0 : 0;
-            for (int64_t j = first; j < nq; j++)
-                t_end[j] = pos0 + j + 1 < (c + 1) * CHUNK ? pos0 + j + 1 : (c + 1) * CHUNK;
-            attend_parts(q + (row0 + first) * qsize, qsize, nq - first, k_cache, v_cache, table,
-                         c * CHUNK, t_end + first, scale, num_heads, num_kv_heads, head_dim,
-                         block_size, 0, num_kv_heads, m + first * ld_m + c * num_heads,
-                         s + first * ld_m + c * num_heads,
-                         acc + (first * ld_m + c * num_heads) * head_dim, ld_m);
-        }
-        for (int64_t j = 0; j < nq; j++)
-            pagedq_attend_combine(m + j * ld_m, s + j * ld_m, acc + j * ld_m * head_dim,
-                                  (pos0 + j + 1 + CHUNK - 1) / CHUNK, num_heads, head_dim, 0,
-                                  num_heads, out + (row0 + j) * qsize);
-        free(m);
-        free(s);
-        free(acc);
-        free(t_end);
     }
 }

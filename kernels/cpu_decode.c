@@ -1,16 +1,16 @@
 /* A Llama-family decode step for a batch of sequences in one call, float32: every layer's
  * norms, products, rotary, KV store and attention, and the final norm, with no Python between
- * them. Compiled at first use by kernels/cpu_native.py with cpu_rows.c, cpu_gemv.c and
- * cpu_attention.c; called by engine/cpu_decode.py.
+ * them. Compiled at first use by kernels/cpu_native.py with cpu_rows.c, cpu_gemv.c and the
+ * attention's sources; called by engine/cpu_decode.py.
  *
  * Why: at one stream a SmolLM2 step spent ~8 of its 21 ms outside the linear layers, most of
  * it Python and the small ops' calls (15-70 us each, cold: streaming 540 MB of weights evicts
  * the interpreter's working set between them). This is llama.cpp's shape: one native loop.
  *
  * It computes what the model's modules compute, call for call: the same functions of
- * cpu_rows.c, cpu_gemv.c (the probed block of oneDNN's many-row sums) and cpu_attention.c (a
- * task per sequence, KV head and chunk of keys, where pagedq_attend runs a token's chunks in a
- * row), so a row's bits are those of any batch the modules run; the tests check that. */
+ * cpu_rows.c, cpu_gemv.c (the probed block of oneDNN's many-row sums) and the attention's
+ * pagedq_decode_attention (cpu_attention_tasks.c), so a row's bits are those of any batch the
+ * modules run; the tests check that. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

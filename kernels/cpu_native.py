@@ -1,8 +1,9 @@
 """Builds the C kernels with the machine's C compiler at first use and loads them, one library
 from every source:
 
-- ``cpu_attention.c``, the CPU paged attention (a decode step's and a prefill's, over one
-  per-token body), which ``kernels.cpu_ops`` calls;
+- ``cpu_attention.c`` (with ``cpu_attention_values.h``), the CPU paged attention's per-token
+  body, and ``cpu_attention_tasks.c``, its parallel loops (a decode step's, a prefill's),
+  which ``kernels.cpu_ops`` calls;
 - ``cpu_gemv.c``, a linear layer's product for a few rows;
 - ``cpu_rows.c``, the row-wise ops (RMSNorm, rotary, SiLU-and-mul, the KV store) at every
   batch size;
@@ -33,8 +34,9 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-_SOURCES = ("cpu_attention.c", "cpu_gemv.c", "cpu_rows.c", "cpu_decode.c")
-_HEADERS = ("cpu_kernels.h",)
+_SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.c",
+            "cpu_decode.c")
+_HEADERS = ("cpu_kernels.h", "cpu_attention_values.h")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
          "-std=c11", "-fopenmp"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
