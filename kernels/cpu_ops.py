@@ -3,12 +3,13 @@ KV store, the row-wise ops of ``kernels.cpu_rows``; the other ops from ``kernels
 
 The reference decode gathers each sequence's blocks into a padded copy and then runs SDPA over
 it: three passes over the KV bytes per layer and step, plus the padding. These read K and V
-once, straight from the pool, one token per task, so ragged rows cost only their own length.
-The per-token body is C (``kernels.cpu_native``: AVX2 intrinsics, built at first use) where it
-builds, else numba's ``_attend``; the prefill runs the same body as the decode (see
-``paged_attention_prefill`` for why). Only float32 tensors take these kernels (numba has no
-bfloat16); others use the reference. The store is one call where the reference takes a mask,
-its ``.all()`` and two ``index_copy_`` (SmolLM2, a layer at one token: 29 -> 11 us).
+once, straight from the pool, so ragged rows cost only their own length. The per-token body
+is C (``kernels.cpu_native``: AVX2 / AVX-512 intrinsics, built at first use; its parallel loops
+on torch's OpenMP threads) where it builds, else numba's ``_attend`` (a token per task); the
+prefill runs the same body as the decode (see ``paged_attention_prefill`` for why). Only
+float32 tensors take these kernels (numba has no bfloat16); others use the reference. The store
+is one call where the reference takes a mask, its ``.all()`` and two ``index_copy_`` (SmolLM2,
+a layer at one token: 29 -> 11 us).
 """
 
 
@@ -209,7 +210,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     could sample another token where two were that close (the chaos test caught one: a seeded
     top-p draw, two logits 1.4e-6 apart). With one arithmetic for every token, a resumed stream
     is the uninterrupted one, bit for bit. The C body takes a sequence's tokens
-    ``QUERY_TILE`` at a time over shared key loads (random-26m's 128 prompts: 1.27 -> XX s);
+    ``QUERY_TILE`` at a time over shared key loads (random-26m's 128 prompts: 1.31 -> 0.90 s);
     numba's, one token per task."""
     if k_cache.dtype != torch.float32 or q.shape[0] == 0:
         return reference.paged_attention_prefill(q, k_cache, v_cache, cu_seqlens_q,
