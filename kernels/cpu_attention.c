@@ -87,7 +87,6 @@ void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
     const int64_t stride = (longest + 7) & ~(int64_t)7; /* a head's scores, every query's */
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(nq * num_heads * stride));
     float *qs = aligned_alloc(64, sizeof(float) * (size_t)(nq * qsize));
-    float *sums = aligned_alloc(64, sizeof(float) * (size_t)(nq * qsize));
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)stride);
     /* each key's row in the pool; the padding repeats the last key (a query's padding past its
      * own keys reads later ones: its scores are masked out of the softmax either way) */
@@ -97,10 +96,8 @@ void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
     }
     for (int64_t t = longest; t < stride; t++) offsets[t] = offsets[longest - 1];
     for (int64_t i = 0; i < nq; i++)
-        for (int64_t e = g_begin * head_dim; e < g_end * head_dim; e++) {
+        for (int64_t e = g_begin * head_dim; e < g_end * head_dim; e++)
             qs[i * qsize + e] = q[i * ldq + e] * scale;
-            sums[i * qsize + e] = 0.0f;
-        }
     /* scores, a tile of 8 keys for every head, QGROUP query heads at a time */
     for (int64_t t0 = 0; t0 < stride; t0 += 8) {
         if (t0 + PREFETCH < stride)
@@ -148,11 +145,12 @@ void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
                               ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
         }
     }
-    /* out: each query head's values, its sums over the keys in order (value_pass) */
+    /* acc: each query head's values, its sums over the keys in order (value_pass writes them
+     * whole) */
     for (int64_t i = 0; i < nq; i++) {
         const int64_t length = t_end[i] - t_begin;
         const float *si = scores + i * num_heads * stride;
-        float *ai = sums + i * qsize;
+        float *ai = acc + i * ld_m * head_dim;
         for (int64_t h = kv_begin; h < kv_end; h++)
             for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                 const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
@@ -162,12 +160,8 @@ void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
                 else value_pass(si, stride, vh, offsets, length, 1, g, ai, head_dim);
             }
     }
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t e = g_begin * head_dim; e < g_end * head_dim; e++)
-            acc[i * ld_m * head_dim + e] = sums[i * qsize + e];
     free(scores);
     free(qs);
-    free(sums);
     free(offsets);
 }
 

@@ -69,9 +69,9 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
 /* A prefill's attention: tiles[4 * i ...] = (first query row, queries, sequence, position of
  * the first), each tile's queries consecutive tokens of one sequence; q and out [rows][heads *
  * head_dim], tables [sequences][table_stride]. A tile's queries share each chunk's key loads
- * (pagedq_attend_parts), then each query's chunks combine in order: the bits pagedq_decode_attention
- * gives each token alone. The tiles run on `threads` threads, largest first as the caller
- * orders them. */
+ * (pagedq_attend_parts), then each query's chunks combine in order: the bits
+ * pagedq_decode_attention gives each token alone. The tiles run on `threads` threads, largest
+ * first as the caller orders them. */
 void pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
                     const int32_t *tables, int64_t table_stride, const int64_t *tiles,
                     int64_t ntiles, float scale, float *out, int64_t num_heads,

@@ -81,4 +81,3 @@ class DecodeStep:
         if failed:
             raise MemoryError("the decode step could not allocate its scratch memory")
         return x
-

@@ -1,12 +1,13 @@
-/* A linear layer's product for decode batches (1 to 64 rows), float32, AVX-512 or AVX2 + FMA,
- * on torch's OpenMP threads: compiled at first use by kernels/cpu_native.py, called by
- * engine/cpu_linear.py where a probe at load found its sums equal to oneDNN's many-row ones.
+/* A linear layer's product for decode batches (up to engine/cpu_linear.py's GEMV_ROWS rows),
+ * float32, AVX-512 or AVX2 + FMA, on torch's OpenMP threads: compiled at first use by
+ * kernels/cpu_native.py, called by engine/cpu_linear.py where a probe at load found its sums
+ * equal to oneDNN's many-row ones.
  *
  * Why: oneDNN's product of one row (or two) reads the weights at 13.5 GB/s of the 32.7 a
  * 2-core machine streams, the rest lost in its threads' barrier; at batch 1 the linear layers
- * were 71 % of a SmolLM2 decode step. This kernel streams them; up to 64 rows it keeps pace
- * with oneDNN or leads (SmolLM2's 121 layers, cold, 32 rows: 50.6 against 56.2 ms on a Xeon;
- * 19 against 29 on an AMD EPYC, with the prefetch of pagedq_gemv).
+ * were 71 % of a SmolLM2 decode step. This kernel streams them, and keeps pace with oneDNN or
+ * leads at every batch it takes (SmolLM2's 121 layers, cold, 32 rows: 50.6 against 56.2 ms on
+ * a Xeon; 19 against 29 on an AMD EPYC, with the prefetch of pagedq_gemv).
  *
  * The order of the sums is the contract: y[m][n] is K cut into blocks of `block` inputs, each
  * block an FMA chain from zero in input order, the blocks' sums added in order, then the bias.
@@ -102,11 +103,14 @@ static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels, 
                      const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
                      const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
                      int64_t pf2_lines) {
-#define TILE_CASE(R)                                                                   \
-    case R:                                                                            \
-        if (panels == PANELS)                                                          \
-            tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);   \
-        else tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);       \
+#define TILE_CASE(R)                                                                        \
+    case R:                                                                                 \
+        if (panels == PANELS)                                                               \
+            tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,    \
+                 pf2_lines);                                                                \
+        else                                                                                \
+            tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,         \
+                 pf2_lines);                                                                \
         break;
     switch (rows) {
         TILE_CASE(1)

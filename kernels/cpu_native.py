@@ -4,10 +4,10 @@ from every source:
 - ``cpu_attention.c`` (with ``cpu_attention_values.h``), the CPU paged attention's per-token
   body, and ``cpu_attention_tasks.c``, its parallel loops (a decode step's, a prefill's),
   which ``kernels.cpu_ops`` calls;
-- ``cpu_gemv.c``, a linear layer's product for a few rows;
+- ``cpu_gemv.c``, a linear layer's product for a decode batch;
 - ``cpu_rows.c``, the row-wise ops (RMSNorm, rotary, SiLU-and-mul, the KV store) at every
   batch size;
-- ``cpu_decode.c``, a whole decode step for a few sequences over the three above.
+- ``cpu_decode.c``, a whole decode step over the others.
 
 Built with ``-fopenmp``: its ``libgomp.so.1`` is the one torch has loaded, so the kernels'
 parallel loops run on torch's thread pool.
