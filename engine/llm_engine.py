@@ -67,13 +67,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.limits = Limits(self.vocab_size, self.max_model_len, config.block_size, num_blocks,
                              config.max_num_seqs)
-        self.kv_blocks_peak = 0
-        self.kv_utilization_at_peak = 0.0
+        self.kv_blocks_peak, self.kv_utilization_at_peak = 0, 0.0
         self.tokens_generated = 0
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
-                 quantization=self.quantization,
-                 kv_blocks=num_blocks, block_size=config.block_size,
-                 max_model_len=self.max_model_len,
+                 quantization=self.quantization, kv_blocks=num_blocks,
+                 block_size=config.block_size, max_model_len=self.max_model_len,
                  **({"cpu_attention": self.model_runner.attention_body}
                     if self.model_runner.attention_body else {}),
                  **({"cpu_linear_rows": self.model_runner.linear_rows,
@@ -155,6 +153,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_waiting(self) -> bool:
+        """Whether some request waits to start (or to resume, preempted)."""
+        return bool(self.scheduler.waiting)
 
     def step(self) -> list[RequestDelta]:
         batch = self.scheduler.schedule()

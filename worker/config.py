@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="port of /metrics, /healthz, /readyz; 0: off")
     metrics_host: str = Field("0.0.0.0", description="address the metrics port binds")
+    watch_arrivals: bool = Field(True, description="a busy worker notices new jobs (a blocked "
+                                 "XREAD) and starts them a step sooner; each job then reaches "
+                                 "every watching worker once")
     stall_timeout: float = Field(300.0, gt=0,
                                  description="seconds without a loop tick before /healthz fails")
 
