@@ -58,24 +58,26 @@ class Arrivals:
             self._cond.notify()
 
     def _run(self) -> None:
-        """Reads one entry past the last one seen ('$' at first: the stream's end), notes it,
-        and reads again only once the loop has taken the note: at most one wake-up per step,
-        however many jobs a burst brings."""
-        last, failures = "$", 0
+        """Waits for an entry past the stream's end ('$'), notes it, and waits again only once
+        the loop has taken the note, from the end as it is then: the round trip sent after a
+        take reads whatever landed before it, so only later entries are news. At most one
+        wake-up per step however many jobs a burst brings, and no backlog of old entries to
+        walk through after one. (An entry that lands between a take and the next read is
+        missed, and joins a step later, as without the watcher.)"""
+        failures = 0
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or not self._noticed)
                 if self._closed:
                     return
             try:
-                reply = self.conn.xread({self.key: last}, count=1, block=BLOCK_MS)
+                reply = self.conn.xread({self.key: "$"}, count=1, block=BLOCK_MS)
             except redis.RedisError as exc:  # Redis down or the stream gone: the loop copes
                 failures += 1
                 log.debug("arrivals watch failed", error=str(exc), failures=failures)
                 time.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)))
                 continue
             failures = 0
-            for _, entries in xread_streams(reply):
-                last = entries[-1][0]
+            if xread_streams(reply):
                 with self._cond:
                     self._noticed = True
