@@ -70,8 +70,9 @@ static inline float max_of(const float *x, int64_t n) {
  * + i * ld_m * head_dim. Each query's arithmetic is the one-query call's: its scores, softmax
  * and values in the same order. Only the loads are shared: each tile of 8 keys' rows serves
  * every query from L1, where one query at a time had read a prefill's keys again per token
- * (random-26m's 128 prompts: 98 GB a run from L2 and L3). */
-void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
+ * (random-26m's 128 prompts: 98 GB a run from L2 and L3). Returns 0, or -1 where scratch
+ * memory could not be had (m, s and acc are then undefined). */
+int pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
                          const float *restrict k_cache, const float *restrict v_cache,
                          const int32_t *restrict table, int64_t t_begin,
                          const int64_t *restrict t_end, float scale, int64_t num_heads,
@@ -88,6 +89,12 @@ void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(nq * num_heads * stride));
     float *qs = aligned_alloc(64, sizeof(float) * (size_t)(nq * qsize));
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)stride);
+    if (!scores || !qs || !offsets) {
+        free(scores);
+        free(qs);
+        free(offsets);
+        return -1;
+    }
     /* each key's row in the pool; the padding repeats the last key (a query's padding past its
      * own keys reads later ones: its scores are masked out of the softmax either way) */
     for (int64_t t = 0; t < longest; t++) {
@@ -163,6 +170,7 @@ void pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
     free(scores);
     free(qs);
     free(offsets);
+    return 0;
 }
 
 /* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_parts, chunk

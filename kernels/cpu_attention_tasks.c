@@ -38,6 +38,7 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
         return -1;
     }
     float *part_s = part_m + chunks * num_heads;
+    int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t r = 0;
@@ -46,14 +47,18 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
         const int64_t h = (task - first_task[r]) % split * (num_kv_heads / split);
         const int64_t part = first_chunk[r] + c, end = (c + 1) * CHUNK;
         const int64_t t_end = end < context_lens[r] ? end : context_lens[r];
-        pagedq_attend_parts(q + r * ldq, 0, 1, k_cache, v_cache, tables + r * table_stride,
-                            c * CHUNK, &t_end, scale, num_heads, num_kv_heads, head_dim,
-                            block_size, h, h + num_kv_heads / split, part_m + part * num_heads,
-                            part_s + part * num_heads, part_acc + part * q_size, 0);
+        if (pagedq_attend_parts(q + r * ldq, 0, 1, k_cache, v_cache, tables + r * table_stride,
+                                c * CHUNK, &t_end, scale, num_heads, num_kv_heads, head_dim,
+                                block_size, h, h + num_kv_heads / split,
+                                part_m + part * num_heads, part_s + part * num_heads,
+                                part_acc + part * q_size, 0) != 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
     }
-    const int64_t group = num_heads / num_kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * num_kv_heads > 1)
-    for (int64_t task = 0; task < rows * num_kv_heads; task++) {
+    const int64_t group = num_heads / num_kv_heads, combines = failed ? 0 : rows * num_kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (combines > 1)
+    for (int64_t task = 0; task < combines; task++) {
         const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t part = first_chunk[r];
         pagedq_attend_combine(part_m + part * num_heads, part_s + part * num_heads,
@@ -63,7 +68,7 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
     free(first_chunk);
     free(part_m);
     free(part_acc);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* A prefill's attention: tiles[4 * i ...] = (first query row, queries, sequence, position of
@@ -71,13 +76,15 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
  * head_dim], tables [sequences][table_stride]. A tile's queries share each chunk's key loads
  * (pagedq_attend_parts), then each query's chunks combine in order: the bits
  * pagedq_decode_attention gives each token alone. The tiles run on `threads` threads, largest
- * first as the caller orders them. */
-void pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
+ * first as the caller orders them. Returns 0, or -1 where scratch memory could not be had (out
+ * is then undefined). */
+int pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
                     const int32_t *tables, int64_t table_stride, const int64_t *tiles,
                     int64_t ntiles, float scale, float *out, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                     int64_t threads) {
     const int64_t qsize = num_heads * head_dim;
+    int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t tile = 0; tile < ntiles; tile++) {
         const int64_t row0 = tiles[4 * tile], nq = tiles[4 * tile + 1];
@@ -88,19 +95,25 @@ void pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
         float *s = malloc(sizeof(float) * (size_t)(nq * ld_m));
         float *acc = malloc(sizeof(float) * (size_t)(nq * ld_m * head_dim));
         int64_t *t_end = malloc(sizeof(int64_t) * (size_t)nq);
-        for (int64_t c = 0; c < chunks; c++) {
+        int ok = m && s && acc && t_end;
+        for (int64_t c = 0; ok && c < chunks; c++) {
             /* the queries that reach this chunk: query j's keys are 0 to pos0 + j */
             const int64_t first = c * CHUNK - pos0 > 0 ? c * CHUNK - pos0 : 0;
             for (int64_t j = first; j < nq; j++)
                 t_end[j] = pos0 + j + 1 < (c + 1) * CHUNK ? pos0 + j + 1 : (c + 1) * CHUNK;
-            pagedq_attend_parts(q + (row0 + first) * qsize, qsize, nq - first, k_cache,
-                                v_cache, table, c * CHUNK, t_end + first, scale, num_heads,
-                                num_kv_heads, head_dim, block_size, 0, num_kv_heads,
-                                m + first * ld_m + c * num_heads,
-                                s + first * ld_m + c * num_heads,
-                                acc + (first * ld_m + c * num_heads) * head_dim, ld_m);
+            ok = pagedq_attend_parts(q + (row0 + first) * qsize, qsize, nq - first, k_cache,
+                                     v_cache, table, c * CHUNK, t_end + first, scale,
+                                     num_heads, num_kv_heads, head_dim, block_size, 0,
+                                     num_kv_heads, m + first * ld_m + c * num_heads,
+                                     s + first * ld_m + c * num_heads,
+                                     acc + (first * ld_m + c * num_heads) * head_dim,
+                                     ld_m) == 0;
         }
-        for (int64_t j = 0; j < nq; j++)
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t j = 0; ok && j < nq; j++)
             pagedq_attend_combine(m + j * ld_m, s + j * ld_m, acc + j * ld_m * head_dim,
                                   (pos0 + j + 1 + CHUNK - 1) / CHUNK, num_heads, head_dim, 0,
                                   num_heads, out + (row0 + j) * qsize);
@@ -109,4 +122,5 @@ void pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
         free(acc);
         free(t_end);
     }
+    return failed ? -1 : 0;
 }

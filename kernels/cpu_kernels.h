@@ -11,12 +11,12 @@
 
 void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, const float *bias,
                  float *y, int64_t ldy, int64_t n, int64_t k, int64_t block, int64_t threads);
-void pagedq_attend_parts(const float *q, int64_t ldq, int64_t nq, const float *k_cache,
-                         const float *v_cache, const int32_t *table, int64_t t_begin,
-                         const int64_t *t_end, float scale, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         int64_t kv_begin, int64_t kv_end, float *m, float *s, float *acc,
-                         int64_t ld_m);
+int pagedq_attend_parts(const float *q, int64_t ldq, int64_t nq, const float *k_cache,
+                        const float *v_cache, const int32_t *table, int64_t t_begin,
+                        const int64_t *t_end, float scale, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t kv_begin, int64_t kv_end, float *m, float *s, float *acc,
+                        int64_t ld_m);
 void pagedq_attend_combine(const float *m, const float *s, const float *acc, int64_t chunks,
                            int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
                            float *out);

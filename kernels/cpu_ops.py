@@ -219,10 +219,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if attention_body(q.shape[2]) == "c":
         q, tables = q.contiguous(), block_tables.contiguous()
         tiles = _query_tiles(cu_seqlens_q, context_lens)
-        cpu_native.function("pagedq_prefill")(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-            tables.shape[1], tiles.ctypes.data, tiles.shape[0], scale, out.data_ptr(),
-            q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], torch.get_num_threads())
+        if cpu_native.function("pagedq_prefill")(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                tables.shape[1], tiles.ctypes.data, tiles.shape[0], scale, out.data_ptr(),
+                q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+                torch.get_num_threads()) != 0:
+            raise MemoryError("no scratch memory for the prefill attention")
         return out.to(q.dtype)
     rows = _prefill_rows(cu_seqlens_q, context_lens)
     on_torch_threads(_prefill, q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),

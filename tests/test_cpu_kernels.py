@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,19 @@ def test_prefill_matches_reference_and_decode_bit_for_bit(group: int, block_size
                 q[row:row + 1], k, v, tables[seq:seq + 1],
                 torch.tensor([context - count + j + 1], dtype=torch.int32), 0.125)
             assert torch.equal(one[0], out[row]), (seq, j)
+
+def test_prefill_reports_scratch_memory_it_cannot_have() -> None:
+    """A tile whose scratch cannot be allocated (a token at position 2**40: ~10 TB of
+    partials) makes the C prefill return -1 before it reads a key, and the rest of the call
+    is skipped, not crashed."""
+    prefill = cpu_native.function("pagedq_prefill")
+    assert prefill is not None, "the C attention did not build"
+    q, k = torch.randn(1, 2, 64), torch.randn(1, 16, 2, 64)
+    out, tables = torch.empty(1, 2, 64), torch.zeros(1, 1, dtype=torch.int32)
+    tiles = np.array([[0, 1, 0, 2**40]], dtype=np.int64)
+    assert prefill(q.data_ptr(), k.data_ptr(), k.data_ptr(), tables.data_ptr(), 1,
+                   tiles.ctypes.data, 1, 0.125, out.data_ptr(), 2, 2, 64, 16, 2) == -1
+
 
 def test_decode_other_dtypes_fall_back() -> None:
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
