@@ -79,3 +79,36 @@ def test_a_busy_worker_starts_a_new_job_in_the_next_step(redis_url, smollm2) -> 
     # the next step, but for a landing too close to the round trip's send to be noticed first
     assert sorted(noticed)[3] == 1, noticed
     assert sorted(unnoticed)[2] == 2, unnoticed  # a claims refresh can collect early
+
+
+def test_no_early_read_behind_a_backlog(redis_url, tiny_llama) -> None:
+    """A job noticed while the engine has requests waiting to start is read as before (its
+    reply after the next step): read early it would only lengthen the step that ends their
+    prefill. The note is kept for the first send without a backlog. Ticks driven by hand: a
+    step takes 64 tokens, each job's prompt is 20 distinct ones."""
+    worker = Worker(settings(redis_url, tiny_llama, "w1", max_num_batched_tokens=64))
+    worker.consumer.ensure_group()
+    client = Client(redis_url, queue=QUEUE)
+
+    def job(i: int) -> dict:
+        return {"prompt": list(range(100 + 20 * i, 120 + 20 * i)), "max_tokens": 30}
+
+    try:
+        time.sleep(0.2)  # the watcher waits at the stream's end
+        client.submit_many([job(i) for i in range(8)])
+        wait_for(lambda: worker.arrivals._noticed, timeout=5, what="the burst to be noticed")
+        worker._tick()  # an empty engine reads one job; the round trip then reads six more
+        assert worker._news_in_flight  # noticed, no backlog: read before the next step
+        time.sleep(0.5)  # the watcher waits at the stream's end again
+        client.submit(**job(8))
+        wait_for(lambda: worker.arrivals._noticed, timeout=5, what="the job to be noticed")
+        worker._tick()  # the six join; the step's 64 tokens start four of them
+        assert worker.engine.has_waiting() and worker.intake.count(len(worker._arrived)) > 0
+        assert not worker._news_in_flight and worker.arrivals._noticed  # kept for later
+        worker._tick()  # the two waiting start
+        assert not worker.engine.has_waiting()
+        assert worker._news_in_flight and not worker.arrivals._noticed
+    finally:
+        worker.stop()
+        worker.stop()
+        worker.run()  # stops at once: leaves the jobs pending, closes the watcher
