@@ -99,6 +99,11 @@ def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
     return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
+def percentile_ms(seconds: Sequence[float], q: float) -> float:
+    """The q-th percentile of durations in seconds, in ms; NaN for none."""
+    return float(np.percentile(seconds, q)) * 1000 if len(seconds) else float("nan")
+
+
 def load_average() -> float:
     """The 1-minute load average: above the thread count, others shared the cores."""
     return round(os.getloadavg()[0], 2)

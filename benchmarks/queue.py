@@ -68,6 +68,7 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
     load_average,
     log,
     model_path,
+    percentile_ms,
     random_prompt,
     set_threads,
     timed,
@@ -141,10 +142,6 @@ def configure_worker_logging() -> None:
     configure_logging()
     WORKER_LOG.parent.mkdir(parents=True, exist_ok=True)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(WORKER_LOG.open("w")))
-
-
-def percentile_ms(seconds: list[float], q: float) -> float:
-    return float(np.percentile(np.array(seconds) * 1000, q))
 
 
 # ----------------------------------------------------------------------------- worker side

@@ -45,6 +45,7 @@ from common import (
     load_average,
     log,
     model_path,
+    percentile_ms,
     random_prompt,
     set_threads,
     usable_token_ids,
@@ -109,9 +110,6 @@ async def run_trace(send: Any, requests: list[dict[str, Any]]) -> tuple[list[dic
     return answers, time.perf_counter() - start
 
 
-def percentile(xs: list[float], q: float) -> float:  # in ms
-    return float(np.percentile(xs, q)) * 1000 if xs else float("nan")
-
 def summarize(answers: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     ttft = [a["times"][0][0] - a["sent"] for a in answers]
     tpot, itl = [], []
@@ -126,9 +124,9 @@ def summarize(answers: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     keeps_up = statistics.median(by_send[-quarter:]) <= (
         2 * statistics.median(by_send[:quarter]) + 0.25)
     tokens = sum(a["tokens"] for a in answers)
-    return {"ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "tpot_p50_ms": percentile(tpot, 50), "itl_p50_ms": percentile(itl, 50),
-            "itl_p99_ms": percentile(itl, 99), "req_s": len(answers) / wall,
+    return {"ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p99_ms": percentile_ms(ttft, 99),
+            "tpot_p50_ms": percentile_ms(tpot, 50), "itl_p50_ms": percentile_ms(itl, 50),
+            "itl_p99_ms": percentile_ms(itl, 99), "req_s": len(answers) / wall,
             "tok_s": tokens / wall, "wall_s": wall, "keeps_up": keeps_up,
             "texts": [a["text"] for a in answers]}
 

@@ -12,7 +12,6 @@ is one call where the reference takes a mask, its ``.all()`` and two ``index_cop
 a layer at one token: 29 -> 11 us).
 """
 
-
 import numba
 import numpy as np
 import torch
