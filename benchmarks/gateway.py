@@ -58,6 +58,7 @@ from common import (
     write_json,
 )
 from gateway_streams import HOLD, KEY, streams_part
+from proctree import process_cpu_seconds
 
 from producer import AsyncClient
 from producer.protocol import Chunk, End
@@ -144,15 +145,9 @@ async def via_client(client: AsyncClient, request: dict[str, Any]) -> dict[str, 
     return {"ttft": first - sent, "tokens": tokens, "text": text}
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (/proc/PID/stat fields 14 and 15), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def run_round(send: Any, requests: list[dict[str, Any]], gateway_pid: int
                     ) -> dict[str, Any]:
-    start, cpu = time.perf_counter(), cpu_seconds(gateway_pid)
+    start, cpu = time.perf_counter(), process_cpu_seconds(gateway_pid)
 
     async def one(request: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, start + request["at"] - time.perf_counter()))
@@ -162,7 +157,7 @@ async def run_round(send: Any, requests: list[dict[str, Any]], gateway_pid: int
     wall = time.perf_counter() - start
     tokens = sum(a["tokens"] for a in answers)
     return {"tok_s": tokens / wall, "wall_s": wall,
-            "gateway_cpu_ms_per_token": 1000 * (cpu_seconds(gateway_pid) - cpu) / tokens,
+            "gateway_cpu_ms_per_token": 1000 * (process_cpu_seconds(gateway_pid) - cpu) / tokens,
             "ttft_p50_ms": 1000 * statistics.median(a["ttft"] for a in answers),
             "texts": [a["text"] for a in answers]}
 

@@ -46,6 +46,13 @@ def cpu_seconds(root: int | None = None) -> float:
     return total / _TICKS
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far, its children left out: a server's own
+    share (redis-server's, the gateway's)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
 def peak_rss_mb(root: int | None = None) -> float:
     """The sum over the tree's live processes of each one's peak resident set (VmHWM)."""
     total_kb = 0

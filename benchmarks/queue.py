@@ -75,13 +75,13 @@ from common import (  # noqa: E402  (first: it sets the environment torch reads 
     usable_token_ids,
     write_json,
 )
+from proctree import process_cpu_seconds  # noqa: E402
 from queue_clients import client_main  # noqa: E402
 from queue_probes import (  # noqa: E402
     Patches,
     StepClock,
     Timers,
     breakdown,
-    cpu_seconds,
     instrument,
     runqueue_wait,
     waited,
@@ -293,11 +293,11 @@ def run_queued(served: Served, url: str, server_pid: int, prompts: list[list[int
     timers, patches = Timers(), Patches()
     instrument(worker, timers, patches)
     try:
-        cpu0, redis0 = time.process_time(), cpu_seconds(server_pid)
+        cpu0, redis0 = time.process_time(), process_cpu_seconds(server_pid)
         wait0 = runqueue_wait(served.tid)
         got = run_client("generate", spec)
         worker_cpu = time.process_time() - cpu0
-        redis_cpu = cpu_seconds(server_pid) - redis0
+        redis_cpu = process_cpu_seconds(server_pid) - redis0
     finally:
         patches.undo()
     all_cpu = worker_cpu + redis_cpu + got["cpu_seconds"]
@@ -380,12 +380,12 @@ def jobs_per_second(url: str, server_pid: int, args: argparse.Namespace) -> dict
     with serving(settings, engine) as served:
         run_client("generate", {**spec, "jobs": []})  # the warm-up jobs
         instrument(served.worker, timers, patches)
-        cpu0, redis0 = time.process_time(), cpu_seconds(server_pid)
+        cpu0, redis0 = time.process_time(), process_cpu_seconds(server_pid)
         wait0 = runqueue_wait(served.tid)
         got = run_client("jobs", spec)
         wait = waited(served.tid, wait0)
         worker_cpu = time.process_time() - cpu0
-        redis_cpu = cpu_seconds(server_pid) - redis0
+        redis_cpu = process_cpu_seconds(server_pid) - redis0
         patches.undo()
     if got["failed"]:
         raise RuntimeError(f"{got['failed']} jobs failed")

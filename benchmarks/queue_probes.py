@@ -1,9 +1,8 @@
-"""benchmarks/queue.py's probes: what a thread waited for a CPU, a process's CPU time, and
-timers wrapped around the live worker's methods (in the benchmark only)."""
+"""benchmarks/queue.py's probes: what a thread waited for a CPU, and timers wrapped around the
+live worker's methods (in the benchmark only)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -26,12 +25,6 @@ def runqueue_wait(tid: int) -> float | None:
 def waited(tid: int, before: float | None) -> float | None:
     after = runqueue_wait(tid)
     return None if before is None or after is None else after - before
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Patches:
