@@ -1,10 +1,13 @@
 """benchmarks/queue.py's clients, each run in a child process of its own (``queue.py _client
-MODE SPEC``) so that no client takes the worker's GIL: each reads its spec (JSON) and prints
-its figures (JSON)."""
+MODE SPEC``, started by ``run_client``) so that no client takes the worker's GIL: each reads its
+spec (JSON) and prints its figures (JSON)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -15,8 +18,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from producer import Client
 
+QUEUE_PY = Path(__file__).resolve().parent / "queue.py"  # its ``_client`` mode runs client_main
 CLIENT_TIMEOUT_S = 600.0
 POLL_WINDOW = 512  # result streams checked per round trip while waiting for the jobs part
+
+
+def run_client(mode: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs a client mode in a child process; returns what it printed (JSON)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="pagedq-bench-") as f:
+        json.dump(spec, f)
+        f.flush()
+        out = subprocess.run([sys.executable, str(QUEUE_PY), "_client", mode, f.name],
+                             stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout)
 
 
 def _client_generate(client: Client, spec: dict[str, Any]) -> dict[str, Any]:
