@@ -19,7 +19,7 @@ request generates exactly its own length. Systems, in one process, one after the
 HF's eos is disabled (``eos_token_id`` None / -1) rather than masked, so that no HF run stops
 early and greedy tokens stay comparable with pagedq's ``ignore_eos`` (masking eos with
 ``min_new_tokens`` alone would change the argmax wherever eos wins). Prints a table to stdout
-and writes benchmarks/out/throughput-<model>.json.
+and writes benchmarks/out/throughput-<model>.json (throughput_report.py).
 
 With ``--peers vllm,hf-static,hf-cb`` each system runs the same requests in its own process,
 alternating with pagedq over ``--rounds`` (benchmarks/peers.py), with peak RSS and greedy
@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 # Python put this folder first on sys.path, where benchmarks/queue.py would shadow the standard
@@ -43,24 +41,22 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 from common import (  # noqa: E402  (first: it sets the environment torch reads at import)
     MODELS,
-    OUT_DIR,
     Result,
     Workload,
     check_lengths,
-    format_table,
     log,
     model_path,
     random_prompt,
     set_threads,
     timed,
     usable_token_ids,
-    write_json,
 )
 
 # isort: split
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hf_runs import DTYPES, load_hf, run_hf_cb, run_hf_static, static_batch  # noqa: E402
+from throughput_report import agreement, report  # noqa: E402
 
 PAGEDQ_MAX_BATCHED_TOKENS = 2048
 PAGEDQ_MAX_NUM_SEQS = 256
@@ -147,54 +143,6 @@ def run_pagedq(path: Path, wl: Workload,
     extra = {k: stats[k] for k in ("kv_blocks_peak", "kv_blocks_total", "kv_utilization_at_peak",
                                    "preemptions", "prefix_cache_hits")} | {"block_size": block_size}
     return Result("pagedq", seconds, cpu, sum(map(len, tokens)), extra), tokens
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
-    """Per request: None where the tokens agree, else the index of the first difference."""
-    firsts: list[int | None] = []
-    for a, b in zip(reference, other, strict=True):
-        diff = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
-        firsts.append(diff[0] if diff else None if len(a) == len(b) else min(len(a), len(b)))
-    return firsts
-
-
-def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any],
-           args: argparse.Namespace, threads: int) -> None:
-    ours = results[0]
-    rows = [[r.system, r.seconds, r.tok_s, ours.tok_s / r.tok_s, r.cpu_seconds, r.tok_cpu_s,
-             ours.tok_cpu_s / r.tok_cpu_s, r.load] for r in results]
-    print(f"\n== throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} prompt "
-          f"+ {wl.output_tokens} output tokens, {args.device} {args.dtype}, {threads} threads ==")
-    print(format_table(["system", "seconds", "output tok/s", "pagedq x", "cpu s", "tok/cpu-s",
-                        "pagedq x (cpu)", "load"], rows))
-    print(f"pagedq x: pagedq's tok/s over the row's; (cpu): the same per CPU-second, steadier "
-          f"when others share the cores; load: 1-min load average after the run (> {threads}: "
-          f"shared)")
-    for peer in ("hf-static", "hf-cb"):
-        runs = [r for r in results if r.system.startswith(peer)]
-        if runs:
-            best = max(runs, key=lambda r: r.tok_s)
-            print(f"best {peer}: {best.system} -> pagedq x{ours.tok_s / best.tok_s:.2f}")
-    print(f"pagedq: block_size={ours.extra['block_size']}, "
-          f"kv_blocks_peak={ours.extra['kv_blocks_peak']} of "
-          f"{ours.extra['kv_blocks_total']}, kv_utilization_at_peak="
-          f"{ours.extra['kv_utilization_at_peak']:.3f}, preemptions={ours.extra['preemptions']}")
-    for system, firsts in checks.items():
-        verdict = "agree" if all(f is None for f in firsts) else f"DIFFER (first diff {firsts})"
-        print(f"greedy tokens, first {len(firsts)} requests, pagedq vs {system}: {verdict}")
-    write_json(OUT_DIR / f"throughput-{name}.json", {
-        "model": name, "args": {k: v for k, v in vars(args).items()}, "threads": threads,
-        "num_requests": len(wl.prompts), "prompt_tokens": wl.prompt_tokens,
-        "output_tokens": wl.output_tokens,
-        "results": [asdict(r) | {"tok_s": r.tok_s, "pagedq_ratio": ours.tok_s / r.tok_s,
-                                 "tok_cpu_s": r.tok_cpu_s,
-                                 "pagedq_cpu_ratio": ours.tok_cpu_s / r.tok_cpu_s}
-                    for r in results],
-        "greedy_agreement_first_diff": checks,
-    })
 
 
 def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
