@@ -13,7 +13,7 @@ a task of the event loop the first subscription runs in; only the I/O differs.
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -22,7 +22,7 @@ from redis.backoff import ExponentialBackoff
 
 from . import core
 from .client import CANCEL_TTL, DEFAULT_URL, MAX_CONNECTIONS, POOL_TIMEOUT
-from .core import JobFailed, JobResult, Reader
+from .core import Entries, JobFailed, JobResult, Reader
 from .mux import Streams, Subscription
 from .protocol import Error, Event, cancel_key, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply
@@ -114,7 +114,7 @@ class AsyncJobHandle:
         """As ``JobHandle._read``."""
         cursor = "0-0"
         if backlog:
-            entries = await self.client.redis.xrange(results_key(self.id))
+            entries = cast(Entries, await self.client.redis.xrange(results_key(self.id)))
             for event in reader.feed(entries):
                 yield event
             cursor = entries[-1][0] if entries else cursor
@@ -151,7 +151,8 @@ class AsyncJobHandle:
 
     async def status(self) -> str:
         """``queued``, ``started``, ``finished``, ``failed`` or ``canceled``."""
-        entries = core.decode_entries(await self.client.redis.xrange(results_key(self.id)))
+        entries = core.decode_entries(
+            cast(Entries, await self.client.redis.xrange(results_key(self.id))))
         return core.status_of([event for _, event in entries])
 
     async def cancel(self) -> None:

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=float, help="seconds without a token before giving up")
     for name in SAMPLING_OPTIONS:  # absent options keep SamplingParams' defaults
         option, field = f"--{name.replace('_', '-')}", Sampling.model_fields[name]
-        default = field.default_factory() if field.default_factory else field.default
+        default = field.get_default(call_default_factory=True)
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f"default: {default}"}
         if name in FLAGS:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -102,7 +102,8 @@ class SamplePrinter:
 
     def __init__(self, n: int) -> None:
         self.n, self.current = n, 0
-        self.texts, self.reasons = [""] * n, [None] * n
+        self.texts = [""] * n
+        self.reasons: list[str | None] = [None] * n
         self._open()
 
     def _open(self) -> None:

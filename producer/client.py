@@ -29,14 +29,14 @@ Decisions:
 
 import queue
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from . import core
-from .core import JobFailed, JobResult, Reader
+from .core import Entries, JobFailed, JobResult, Reader
 from .mux import Mux
 from .protocol import GROUP, Error, Event, cancel_key, dead_key, queue_key, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply, worker_key
@@ -62,7 +62,7 @@ class JobHandle:
         is mostly called on a job just submitted, whose stream is empty."""
         cursor = "0-0"
         if backlog:
-            entries = self.client.redis.xrange(results_key(self.id))
+            entries = cast(Entries, self.client.redis.xrange(results_key(self.id)))
             yield from reader.feed(entries)
             cursor = entries[-1][0] if entries else cursor
         if reader.done:
@@ -96,7 +96,8 @@ class JobHandle:
 
     def status(self) -> str:
         """``queued``, ``started``, ``finished``, ``failed`` or ``canceled``."""
-        entries = core.decode_entries(self.client.redis.xrange(results_key(self.id)))
+        entries = core.decode_entries(
+            cast(Entries, self.client.redis.xrange(results_key(self.id))))
         return core.status_of([event for _, event in entries])
 
     def cancel(self) -> None:
@@ -145,7 +146,7 @@ class Client:
         groups = r.xinfo_groups(key) if r.exists(key) else []
         group = next((g for g in groups if g["name"] == GROUP), None)
         consumers = r.xinfo_consumers(key, GROUP) if group else []
-        names = sorted(r.smembers(f"rq:workers:{self.queue}"))
+        names = sorted(cast(set[str], r.smembers(f"rq:workers:{self.queue}")))
         return {
             "queue": self.queue,
             "length": r.xlen(key),

@@ -35,6 +35,9 @@ from .protocol import (
 BLOCK_SLICE = 1.0
 READ_COUNT = 512  # events per read
 _EVENT = TypeAdapter(Event)
+# A stream's entries as the clients' connections (decode_responses=True) return them; redis-py
+# types them for both settings (bytes | str), so the clients cast its replies to this.
+Entries = list[tuple[str, dict[str, str]]]
 
 
 class QueueFull(Exception):
@@ -100,12 +103,12 @@ def new_jobs(queue: str, specs: Iterable[dict[str, Any]]) -> list[Job]:
     return [new_job(queue, **spec) for spec in specs]
 
 
-def decode_entries(entries: list[tuple[str, dict[str, str]]]) -> list[tuple[str, Event]]:
+def decode_entries(entries: Entries) -> list[tuple[str, Event]]:
     """Stream entries ``(id, {"event": json})`` -> ``(id, Event)``."""
     return [(entry_id, _EVENT.validate_json(fields[EVENT_FIELD])) for entry_id, fields in entries]
 
 
-def xread_streams(reply: Any) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]:
+def xread_streams(reply: Any) -> list[tuple[str, Entries]]:
     """``(stream, entries)`` per stream of an XREAD reply (RESP2 list or RESP3 dict)."""
     if not reply:
         return []
@@ -159,7 +162,8 @@ class Reader:
 
     def __init__(self, job_id: str, timeout: float | None, idle: bool = False) -> None:
         self.job_id, self.timeout, self.idle = job_id, timeout, idle
-        self.seen, self.done = [], False
+        self.seen: list[Event] = []
+        self.done = False
         self.until = self._until()
 
     def _until(self) -> float | None:
@@ -176,7 +180,7 @@ class Reader:
                                f"{status_of(self.seen)!r}, {len(self.seen)} events so far)")
         return left
 
-    def feed(self, entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
+    def feed(self, entries: Entries) -> list[Event]:
         """The events of new stream entries, up to the job's last one."""
         events = []
         for _, event in decode_entries(entries):

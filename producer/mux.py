@@ -26,11 +26,10 @@ from typing import Any
 
 import redis
 
-from .core import BLOCK_SLICE, READ_COUNT, xread_streams
+from .core import BLOCK_SLICE, READ_COUNT, Entries, xread_streams
 from .protocol import results_key, wake_key
 
 WAKE_TTL = 3600
-Entries = list[tuple[str, dict[str, str]]]
 
 
 def _order(entry_id: str) -> tuple[int, int]:

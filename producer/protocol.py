@@ -15,11 +15,11 @@ id):
 - ``rq:*``: the RQ mirror (see ``producer.rq_mirror``): a view for rq-dashboard, never read back.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1  # Final: its type is Literal[1], as Job.v's
 GROUP = "workers"
 PREFIX = "pagedq"
 MAX_N = 64  # samples per job: more is refused as absurd

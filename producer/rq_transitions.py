@@ -137,8 +137,9 @@ class Transitions:
     def discard(self, job_ids: set[str]) -> None:
         """Forgets the transitions of these jobs (another worker continues them)."""
         keep = [i for i, job_id in enumerate(self.jobs) if job_id not in job_ids]
-        self.jobs, self.args, self.fences = ([items[i] for i in keep] for items in (
-            self.jobs, self.args, self.fences))
+        self.jobs = [self.jobs[i] for i in keep]
+        self.args = [self.args[i] for i in keep]
+        self.fences = [self.fences[i] for i in keep]
 
     def __bool__(self) -> bool:
         return bool(self.jobs)

@@ -93,8 +93,8 @@ class BatchRun:
             results = await asyncio.gather(*(h.result() for h in handles))
             body, status, ok = formatter.body(results), 200, True
         except Exception as exc:  # a job that failed is this line's error, not the batch's
-            error = from_exception(exc)
-            body, status, ok = error.body(), error.status, False
+            failure = from_exception(exc)
+            body, status, ok = failure.body(), failure.status, False
         finally:
             self.in_flight.difference_update(handles)
         response = {"status_code": status, "request_id": formatter.object_id, "body": body}
@@ -109,13 +109,14 @@ class BatchRun:
         files: FileStore = self.gateway.files
         final = self.stop_reason or "completed"
         await self.store.transition(self.id, "finalizing", ("in_progress", "cancelling"))
-        file_ids = []
+        file_ids: list[str | None] = []
         for ok, suffix in ((True, "output"), (False, "errors")):
             content = await self.store.answers(self.id, ok)
             file_ids.append((await files.create(
                 content, f"{self.id}_{suffix}.jsonl", "batch_output",
                 file_id=f"file-{self.id}-{suffix}"))["id"] if content else None)
-        await self.store.finish(self.id, final, *file_ids, ttl=FILE_TTL)
+        output_id, error_id = file_ids
+        await self.store.finish(self.id, final, output_id, error_id, ttl=FILE_TTL)
         log.info("batch finished", batch=self.id, status=final)
 
 

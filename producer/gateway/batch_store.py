@@ -14,7 +14,7 @@ Keys (the gateway's own):
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
@@ -57,7 +57,7 @@ def time_field(status: str) -> str:
 
 class BatchStore:
     def __init__(self, conn: Redis) -> None:
-        self.redis = conn
+        self.redis = conn  # decode_responses=True (state.py): its replies are str, as cast
         self.owner = uuid.uuid4().hex  # this process, as a lease holder
 
     async def create(self, fields: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +92,7 @@ class BatchStore:
         return batch | {"request_counts": {"total": total, "completed": ok, "failed": failed}}
 
     async def listing(self, after: str | None, limit: int) -> list[dict[str, Any]]:
-        ids = await self.redis.zrevrange(BATCHES, 0, -1)
+        ids = cast(list[str], await self.redis.zrevrange(BATCHES, 0, -1))
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         batches = []
@@ -111,7 +111,11 @@ class BatchStore:
                                           *(json.dumps(s) for s in leaving)))
 
     async def status(self, batch_id: str) -> str:
-        return json.loads(await self.redis.hget(batch_key(batch_id), "status"))
+        raw = cast(str | None, await self.redis.hget(batch_key(batch_id), "status"))
+        if raw is None:
+            raise ApiError(404, f"No such Batch object: {batch_id}", "batch_not_found",
+                           "batch_id")
+        return json.loads(raw)
 
     async def answer(self, batch_id: str, index: int, line: dict[str, Any], ok: bool) -> None:
         await self.redis.hsetnx(batch_key(batch_id, "ok" if ok else "failed"), str(index),
@@ -126,7 +130,8 @@ class BatchStore:
 
     async def answers(self, batch_id: str, ok: bool) -> str:
         """The answers as JSONL, in input order."""
-        lines = await self.redis.hgetall(batch_key(batch_id, "ok" if ok else "failed"))
+        lines = cast(dict[str, str],
+                     await self.redis.hgetall(batch_key(batch_id, "ok" if ok else "failed")))
         return "".join(lines[k] + "\n" for k in sorted(lines, key=int))
 
     async def finish(self, batch_id: str, status: str, output_file_id: str | None,
@@ -144,7 +149,7 @@ class BatchStore:
         await self.transition(batch_id, status, ("finalizing",))
 
     async def active(self) -> list[str]:
-        return sorted(await self.redis.smembers(ACTIVE))
+        return sorted(cast(set[str], await self.redis.smembers(ACTIVE)))
 
     async def take_lease(self, batch_id: str, ttl_s: float) -> bool:
         return bool(await self.redis.set(batch_key(batch_id, "lease"), self.owner, nx=True,

@@ -15,7 +15,7 @@ Decisions:
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import PlainTextResponse
@@ -36,21 +36,23 @@ def file_key(file_id: str) -> str:
 
 class FileStore:
     def __init__(self, conn: Redis, max_bytes: int) -> None:
+        # decode_responses=True (state.py): its replies are str, as cast
         self.redis, self.max_bytes = conn, max_bytes
 
     async def create(self, content: str, filename: str, purpose: str,
                      file_id: str | None = None) -> dict[str, Any]:
         """Stores a file; a given ``file_id`` is overwritten (the batch outputs' are derived
         from the batch id, so writing them again after a restart changes nothing)."""
-        meta = {"id": file_id or f"file-{uuid.uuid4().hex}", "object": "file",
+        file_id = file_id or f"file-{uuid.uuid4().hex}"
+        meta = {"id": file_id, "object": "file",
                 "bytes": len(content.encode()), "created_at": int(time.time()),
                 "filename": filename, "purpose": purpose, "status": "processed",
                 "expires_at": int(time.time()) + FILE_TTL}
-        key = file_key(meta["id"])
+        key = file_key(file_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"meta": json.dumps(meta), "content": content})
             pipe.expire(key, FILE_TTL)
-            pipe.zadd(FILES, {meta["id"]: time.time()})
+            pipe.zadd(FILES, {file_id: time.time()})
             await pipe.execute()
         return meta
 
@@ -61,7 +63,7 @@ class FileStore:
         return json.loads(meta)
 
     async def content(self, file_id: str) -> str:
-        content = await self.redis.hget(file_key(file_id), "content")
+        content = cast(str | None, await self.redis.hget(file_key(file_id), "content"))
         if content is None:
             raise ApiError(404, f"No such File object: {file_id}", "file_not_found", "file_id")
         return content
@@ -74,7 +76,7 @@ class FileStore:
             await pipe.execute()
 
     async def listing(self, purpose: str | None, limit: int) -> list[dict[str, Any]]:
-        ids = await self.redis.zrevrange(FILES, 0, -1)
+        ids = cast(list[str], await self.redis.zrevrange(FILES, 0, -1))
         async with self.redis.pipeline(transaction=False) as pipe:
             for file_id in ids:
                 pipe.hget(file_key(file_id), "meta")

@@ -45,7 +45,8 @@ class Formatter:
         self.chat = isinstance(request, ChatCompletionRequest)
         self.id = request_id or uuid.uuid4().hex
         self.created = int(time.time())
-        self.top = (request.top_logprobs or 0) if self.chat else None
+        self.top = ((request.top_logprobs or 0) if isinstance(request, ChatCompletionRequest)
+                    else None)
 
     @property
     def object_id(self) -> str:

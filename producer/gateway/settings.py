@@ -57,9 +57,9 @@ def parse_args(argv: Sequence[str] | None = None) -> GatewaySettings:
     parser = argparse.ArgumentParser(
         prog="pagedq-gateway", description="OpenAI-compatible HTTP gateway over pagedq queues.")
     for name, field in GatewaySettings.model_fields.items():
-        extra = {"action": "append"} if name == "api_key" else {}
+        action = "append" if name == "api_key" else "store"
         default = [] if field.default_factory is not None else field.default
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, **extra,
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, action=action,
                             default=argparse.SUPPRESS,
                             help=f"{field.description} (env PAGEDQ_{name.upper()}; "
                                  f"default {default})")
