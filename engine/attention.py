@@ -40,7 +40,10 @@ class PagedAttention(DirectModule):
                                                 *kv_scales)
                  for g in ctx.decode_groups]
         if num_decode < q.shape[0]:
+            cu_seqlens_q, tables, lens = (ctx.prefill_cu_seqlens_q, ctx.prefill_block_tables,
+                                          ctx.prefill_context_lens)
+            assert cu_seqlens_q is not None and tables is not None and lens is not None
             parts.append(kernels.paged_attention_prefill(
-                q[num_decode:], self.k_cache, self.v_cache, ctx.prefill_cu_seqlens_q,
-                ctx.prefill_block_tables, ctx.prefill_context_lens, self.scale, *kv_scales))
+                q[num_decode:], self.k_cache, self.v_cache, cu_seqlens_q, tables, lens,
+                self.scale, *kv_scales))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.detokenizer import decode
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling_params import BeamSearchParams
 from engine.scheduler import Scheduler
@@ -177,10 +178,10 @@ class BeamSearcher:
         for i, seq in enumerate(sampled):
             group = seq.group
             batch = None if group is None else group.collect(seq, logits[i])
-            if batch is None:
+            if group is None or batch is None:
                 continue
             if group.trunk is not None and group.live:  # recomputed after a preemption
-                self._rebuild(group)
+                self._rebuild(group, group.trunk)
                 continue
             if group.trunk is not None:  # the prompt is computed: it is the first beam
                 group.live, group.trunk = [group.trunk], None
@@ -190,8 +191,7 @@ class BeamSearcher:
                 results.append(self._result(group))
         return [sampled[i] for i in rows], logits[rows], results
 
-    def _rebuild(self, group: BeamGroup) -> None:
-        trunk = group.trunk
+    def _rebuild(self, group: BeamGroup, trunk: Sequence) -> None:
         for beam in group.live:
             self.block_manager.fork(trunk, beam)
             beam.num_computed_tokens = trunk.num_computed_tokens
@@ -222,7 +222,7 @@ class BeamSearcher:
         for rank, h in enumerate(group.finished):
             # vLLM's text: the output without its eos.
             ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            text = decode(self.tokenizer, ids, skip_special_tokens=True)
             samples.append(SampleDelta(rank, h.token_ids, text, h.logprobs, h.finish_reason,
                                        h.cum_logprob))
         return RequestDelta(group.request_id, samples, finished=True)

@@ -14,11 +14,11 @@ float32 KV pool. Elsewhere (fp8 caches, quantized weights, numba-only machines,
 """
 
 import torch
-from torch import nn
 
 import kernels
 from engine.context import Context
 from engine.cpu_linear import GEMV_ROWS, PackedLinear
+from engine.models import LlamaForCausalLM
 from kernels import cpu_decode
 
 MAX_ROWS = GEMV_ROWS  # decode steps of up to this many sequences run natively (the products'
@@ -26,17 +26,17 @@ MAX_ROWS = GEMV_ROWS  # decode steps of up to this many sequences run natively (
 
 
 class CpuDecode:
-    def __init__(self, model: nn.Module, step: cpu_decode.DecodeStep) -> None:
+    def __init__(self, model: LlamaForCausalLM, step: cpu_decode.DecodeStep) -> None:
         self.model = model
         self.step = step
 
     @classmethod
-    def bind(cls, model: nn.Module, block_size: int) -> "CpuDecode | None":
+    def bind(cls, model: LlamaForCausalLM, block_size: int) -> "CpuDecode | None":
         """The model's native decode step over its bound KV pools, or None where a piece has
         no C form (see the module's docstring)."""
         body = getattr(model, "model", None)
         layers = list(getattr(body, "layers", []))
-        if not layers or not cpu_decode.available():
+        if body is None or not layers or not cpu_decode.available():
             return None
         attn = layers[0].self_attn
         if (kernels.default_backend(attn.attn.k_cache.device) != "cpu"

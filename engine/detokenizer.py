@@ -6,7 +6,7 @@ The window starts one step back, so decoders that treat a window's first token s
 (SentencePiece drops its leading space) only do so to text that is already out.
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from engine.sampling_params import SamplingParams
 
@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 sequence decodes to
+
+
+def decode(tokenizer: "PreTrainedTokenizerBase", ids: list[int],
+           skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode`` of one list of ids: one str (its declared type covers batches)."""
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 class Detokenizer:
@@ -50,7 +56,7 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return decode(self.tokenizer, ids, self.params.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> bool:
         """Append output tokens. True if a stop string now occurs: text is cut there and the

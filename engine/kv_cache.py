@@ -46,11 +46,15 @@ The scale and shift tensors live on the device and kernels read them there, so C
 captured at start-up see the values the first prefill writes later.
 """
 
+from typing import TYPE_CHECKING
+
 import structlog
 import torch
-from torch import nn
 
 import kernels
+
+if TYPE_CHECKING:  # engine.models imports this module (through engine.attention)
+    from engine.models import LlamaForCausalLM
 
 log = structlog.get_logger()
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -90,11 +94,11 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in kernels.FP8_DTYPES
 
 
-def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor,
+def bind_kv_cache(model: "LlamaForCausalLM", kv_cache: torch.Tensor,
                   checkpoint_scales: torch.Tensor | None, calculate: bool) -> torch.Tensor:
     """Points each layer's attention at its K/V views of the pool ``[2, layers, ...]`` and its
     scales; returns the scales ``[2, layers]`` (fp32, on the pool's device)."""
-    layers = model.model.layers
+    layers = model.model.decoder_layers()
     if checkpoint_scales is not None and not is_fp8(kv_cache.dtype):
         log.info("kv scales in the checkpoint are not used: kv_cache_dtype is auto")
     scales = torch.ones(2, len(layers), dtype=torch.float32, device=kv_cache.device)

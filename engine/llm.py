@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence as Seq
 from itertools import count
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -27,16 +27,16 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for every prompt (text or token ids) and returns the outputs in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = cast(Seq[str | list[int]], [prompts] if one else prompts)
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+            params = [params] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params)} SamplingParams")
         engine = self.engine
         ids = self._add([(f"llm-{next(self._ids)}", prompt, {"params": p})
-                         for prompt, p in zip(prompts, params, strict=True)])
+                         for prompt, p in zip(batch, params, strict=True)])
         requests = {i: engine.requests[i] for i in ids}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
@@ -49,9 +49,9 @@ class LLM:
         ``beam_width`` best hypotheses, best first. Prompts as ``generate`` takes them, or
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``. Every prompt's beams run
         in the core together, as one continuous batch."""
-        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        texts = [self._prompt(p) for p in prompts]
+        one = isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int))
+        texts = [self._prompt(p) for p in
+                 cast(Seq[str | list[int] | dict], [prompts] if one else prompts)]
         ids = self._add([(f"llm-{next(self._ids)}", p, {"beam": params}) for p in texts])
         finished = {}
         with tqdm(total=len(ids), desc="beam search", disable=not use_tqdm) as bar:
@@ -62,9 +62,11 @@ class LLM:
         outputs = []
         for request_id, prompt in zip(ids, texts, strict=True):
             head = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            # a beam search's samples carry their logprobs and score (BeamSearcher._result)
             outputs.append(BeamSearchOutput([
-                BeamSearchSequence(head + s.token_ids, s.logprobs, s.cum_logprob, s.text,
-                                   s.finish_reason) for s in finished[request_id].samples]))
+                BeamSearchSequence(head + s.token_ids, cast(list[dict[int, float]], s.logprobs),
+                                   cast(float, s.cum_logprob), s.text, s.finish_reason)
+                for s in finished[request_id].samples]))
         return outputs
 
     @staticmethod

@@ -13,13 +13,13 @@ from transformers import AutoTokenizer
 from engine.beam_search import BeamSearcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import Detokenizer
+from engine.detokenizer import Detokenizer, decode
 from engine.loader import eos_token_ids, load_config
 from engine.model_runner import ModelRunner, fit_kv_blocks
 from engine.outputs import RequestDelta, SampleDelta
 from engine.quantization import checkpoint_quantization
 from engine.request import Limits, Request, Resume, check_beam, prompt_ids
-from engine.sampler import Sampler, skip_draws
+from engine.sampler import Sampler, SamplerOutput, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -99,7 +99,7 @@ class LLMEngine:
                                          beam.beam_width, self.limits)
             group = self.beam_search.add(request_id, ids, dataclasses.replace(
                 beam, max_tokens=max_tokens), priority)
-            self.requests[request_id] = Request(ids, group.trunk.params, [], {}, 0, group)
+            self.requests[request_id] = Request(ids, group.members[0].params, [], {}, 0, group)
             return
         params = params or SamplingParams()
         ids, max_tokens = prompt_ids(self.tokenizer, prompt, params.max_tokens, 1, self.limits)
@@ -149,7 +149,7 @@ class LLMEngine:
     def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
         """Each token's text decoded alone, as vLLM names logprob tokens (a piece of a
         multi-byte character reads U+FFFD): what a reader without the tokenizer shows."""
-        return {t: self.tokenizer.decode([t]) for t in set(token_ids)}
+        return {t: decode(self.tokenizer, [t]) for t in set(token_ids)}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -182,7 +182,7 @@ class LLMEngine:
             seqs += group
         if len(seqs) > len(sampled):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        out = self.sampler(logits, seqs) if seqs else None
+        out = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
         deltas: dict[str, list[SampleDelta]] = {}
         for i, seq in enumerate(seqs):
             deltas.setdefault(seq.request_id, []).append(
@@ -195,8 +195,7 @@ class LLMEngine:
             results.append(RequestDelta(request_id, samples, finished))
         return results
 
-    def _append(self, seq: Sequence, token: int,
-                logprobs: dict[int, float] | None) -> SampleDelta:
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> SampleDelta:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
@@ -206,7 +205,8 @@ class LLMEngine:
         if (token in params.stop_token_ids
                 or (not params.ignore_eos and token in self.eos_token_ids)):
             reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        elif ((params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+              or len(seq) >= self.max_model_len):  # max_tokens None: up to the context
             reason = "length"
         detokenizer = self.requests[seq.request_id].detokenizers[seq.seq_id]
         if detokenizer.add([token]):

@@ -5,17 +5,21 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.cpu_linear import can_pack, pack_linears
-from engine.models import MODEL_REGISTRY
+from engine.models import MODEL_REGISTRY, LlamaForCausalLM
 from engine.quantization import parse_quant_config, quantize_linears
+
+
+def _architecture(config: PretrainedConfig) -> str:
+    """The model class the checkpoint names (``?`` where its config names none)."""
+    return (config.architectures or ["?"])[0]
 
 
 def load_config(path: Path) -> PretrainedConfig:
     config = AutoConfig.from_pretrained(path)
-    arch = (config.architectures or ["?"])[0]
+    arch = _architecture(config)
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r}; pagedq supports "
                          f"{sorted(MODEL_REGISTRY)}")
@@ -67,9 +71,9 @@ def read_kv_scales(path: Path, num_layers: int) -> torch.Tensor | None:
 
 
 def load_model(path: Path, config: PretrainedConfig, max_positions: int, dtype: torch.dtype,
-               device: torch.device) -> nn.Module:
+               device: torch.device) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = MODEL_REGISTRY[config.architectures[0]](config, max_positions)
+        model = MODEL_REGISTRY[_architecture(config)](config, max_positions)
     checkpoint = _read_safetensors(path)
     quant = parse_quant_config(getattr(config, "quantization_config", None))
     if quant is not None:  # quantized layers take (pop) their tensors first

@@ -38,7 +38,7 @@ class ModelRunner:
             keep_freed_memory()
         self.model = load_model(path, hf_config, max_model_len, dtype, device)
         self.num_kv_blocks = num_kv_blocks if isinstance(num_kv_blocks, int) else num_kv_blocks()
-        attn = self.model.model.layers[0].self_attn.attn
+        attn = self.model.model.decoder_layers()[0].self_attn.attn
         num_layers = len(self.model.model.layers)
         # One pool for every layer's K and V, so that the whole cache is one allocation. Left
         # uninitialised: zeroing touched every page at start-up (4 GiB, 5.8 GB RSS for the demo),
@@ -73,7 +73,7 @@ class ModelRunner:
         blocks = -(-3 // self.block_size)  # three positions: two prompt tokens, one decoded
         if self.num_kv_blocks < blocks:
             return
-        attns = [layer.self_attn.attn for layer in self.model.model.layers]
+        attns = [layer.self_attn.attn for layer in self.model.model.decoder_layers()]
         calculate = [attn.calculate_kv_scales for attn in attns]
         for attn in attns:
             attn.calculate_kv_scales = False

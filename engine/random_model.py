@@ -26,12 +26,11 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
-    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
-ARCHS: dict[str, type[PretrainedConfig]] = {
+ARCHS: dict[str, type[LlamaConfig] | type[Qwen2Config] | type[MistralConfig]] = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
     "mistral": MistralConfig,
@@ -141,7 +140,8 @@ def build_random_checkpoint(
     extra: dict[str, Any] = {"sliding_window": None} if arch == "mistral" else {}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
-    config = ARCHS[arch](
+    # Qwen2Config declares no head_dim field, but every config's __init__ takes any keyword
+    config = ARCHS[arch](  # type: ignore[call-arg]
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,

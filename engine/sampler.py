@@ -193,15 +193,17 @@ class Sampler:
     def _logprobs(logits: torch.Tensor, seqs: list[Sequence],
                   token_ids: list[int]) -> list[dict[int, float] | None]:
         out: list[dict[int, float] | None] = [None] * len(seqs)
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        wanted = {i: n for i, s in enumerate(seqs) if (n := s.params.logprobs) is not None}
+        rows = list(wanted)
         if not rows:
             return out
         lp = torch.log_softmax(logits[rows], dim=-1)
-        k = min(max(seqs[i].params.logprobs for i in rows), lp.shape[1])
+        k = min(max(wanted.values()), lp.shape[1])
         top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1))
         chosen = lp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=lp.device))
         for j, (i, c) in enumerate(zip(rows, chosen.squeeze(1).tolist(), strict=True)):
-            n = seqs[i].params.logprobs
-            out[i] = dict(zip(top_i[j][:n], top_v[j][:n], strict=True))
-            out[i][token_ids[i]] = c
+            n = wanted[i]
+            top = dict(zip(top_i[j][:n], top_v[j][:n], strict=True))
+            top[token_ids[i]] = c
+            out[i] = top
         return out

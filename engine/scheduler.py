@@ -130,12 +130,12 @@ class Scheduler:
         """Preempts by recompute; a beam preempts its whole group, which waits as one trunk
         (``BeamGroup.park``)."""
         group = seq.group
-        beams = group is not None and seq is not group.trunk
-        for member in group.live if beams else [seq]:
+        beams = group if group is not None and seq is not group.trunk else None
+        for member in beams.live if beams is not None else [seq]:
             self.running.remove(member)
             self.block_manager.free(member)
-        if beams:
-            seq = group.park()
+        if beams is not None:
+            seq = beams.park()
         seq.status = SequenceStatus.WAITING
         self.add(seq)
         self.num_preemptions += 1

@@ -2,6 +2,8 @@
 embeddings with the rope scaling types transformers knows, tied or untied embeddings, and
 Qwen2's qkv bias. q/k/v and gate/up are fused into one matmul each (see ``packed_modules``)."""
 
+from typing import cast
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -27,6 +29,9 @@ class RMSNorm(DirectModule):
 
 
 class RotaryEmbedding(DirectModule):
+    cos: torch.Tensor  # buffers (register_buffer): nn.Module's __getattr__ types them loosely
+    sin: torch.Tensor
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -115,6 +120,10 @@ class LlamaModel(DirectModule):
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as what they hold: ``nn.ModuleList`` types its items as bare modules."""
+        return cast(list[DecoderLayer], list(self.layers))
 
 
 class LlamaForCausalLM(DirectModule):

@@ -4,6 +4,7 @@
 tensor is an error naming it."""
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -134,7 +135,8 @@ def _read_ct(cfg: CompressedTensorsConfig, ckpt: dict, prefix: str,
         static = None if act is None or act.dynamic else _get(ckpt, f"{prefix}.input_scale",
                                                               method)
         return Fp8Weight(weight, scale.float().reshape(-1).expand(n).contiguous(), static)
-    groups = -(-k // w.group_size) if w.strategy == "group" else 1
+    # CompressedTensorsConfig.check() refuses "group" without a positive group_size
+    groups = -(-k // cast(int, w.group_size)) if w.strategy == "group" else 1
     n = _outputs(f"{prefix}.weight_scale", scale, 0)
     _expect(f"{prefix}.weight_scale", scale, (n, groups))
     if f"{prefix}.weight_packed" in ckpt:

@@ -26,6 +26,7 @@ and ``torch._scaled_mm`` on FP8 ~15 ms. Hence:
 """
 
 import importlib.util
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,14 @@ from kernels import quant_ops, quant_reference
 
 
 class IntQuantLinear(DirectModule):
+    # buffers (register_buffer), each layout its own: nn.Module's __getattr__ types them loosely
+    bias: torch.Tensor | None
+    weight: torch.Tensor
+    scales: torch.Tensor
+    qweight: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+
     def __init__(self, w: IntWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -62,8 +71,9 @@ class IntQuantLinear(DirectModule):
             from kernels import triton_quant  # imports triton: CUDA only
 
             self.layout = "triton"
-            self.packed = triton_quant.pack(*(t.to(device) for t in (
-                w.qweight, w.scales, w.zeros, w.g_idx)), w.bits)
+            qweight, scales, zeros, g_idx = (t.to(device) for t in (
+                w.qweight, w.scales, w.zeros, w.g_idx))
+            self.packed = triton_quant.pack(qweight, scales, zeros, g_idx, w.bits)
             self.triton_linear = triton_quant.int_linear
         else:
             self.layout = "dequantize"
@@ -88,6 +98,11 @@ class IntQuantLinear(DirectModule):
 
 
 class Fp8Linear(DirectModule):
+    bias: torch.Tensor | None  # buffers, as IntQuantLinear's
+    input_scale: torch.Tensor | None
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+
     def __init__(self, w: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -124,15 +139,18 @@ def _concat(parts: list[IntWeight | Fp8Weight], name: str) -> IntWeight | Fp8Wei
     if any(type(p) is not type(first) for p in parts):
         raise QuantizationError(f"{name}: its parts are quantized differently")
     if isinstance(first, Fp8Weight):
-        static = [p.input_scale for p in parts if p.input_scale is not None]
+        fp8 = cast(list[Fp8Weight], parts)  # all of first's type, as checked
+        static = [p.input_scale for p in fp8 if p.input_scale is not None]
         # vLLM's rule for fused layers: one static scale, the largest, so nothing clips
-        return Fp8Weight(torch.cat([p.weight for p in parts]),
-                         torch.cat([p.weight_scale for p in parts]),
+        return Fp8Weight(torch.cat([p.weight for p in fp8]),
+                         torch.cat([p.weight_scale for p in fp8]),
                          torch.stack([s.reshape(()) for s in static]).max() if static else None)
-    if any(p.bits != first.bits or not torch.equal(p.g_idx, first.g_idx) for p in parts):
+    ints = cast(list[IntWeight], parts)
+    if any(p.bits != first.bits or not torch.equal(p.g_idx, first.g_idx) for p in ints):
         raise QuantizationError(f"{name}: its parts differ in bit width or g_idx")
-    return IntWeight(*(torch.cat([getattr(p, f) for p in parts])
-                       for f in ("qweight", "scales", "zeros")), first.g_idx, first.bits)
+    qweight, scales, zeros = (torch.cat([getattr(p, f) for p in ints])
+                              for f in ("qweight", "scales", "zeros"))
+    return IntWeight(qweight, scales, zeros, first.g_idx, first.bits)
 
 
 def quantize_linears(model: nn.Module, config: QuantConfig, checkpoint: dict[str, torch.Tensor],
@@ -148,10 +166,11 @@ def quantize_linears(model: nn.Module, config: QuantConfig, checkpoint: dict[str
             name = f"{parent_name}.{child_name}".lstrip(".")
             sources = [f"{parent_name}.{s}".lstrip(".")
                        for s in packed.get(child_name, (child_name,))]
-            parts = [read_linear(config, checkpoint, s, child.in_features) for s in sources]
-            if all(p is None for p in parts):
+            read = [read_linear(config, checkpoint, s, child.in_features) for s in sources]
+            parts = [p for p in read if p is not None]
+            if not parts:
                 continue
-            if any(p is None for p in parts):
+            if len(parts) < len(read):
                 raise QuantizationError(f"{name}: the checkpoint quantizes only some of "
                                         f"{sources}")
             weight = _concat(parts, name)
@@ -160,11 +179,13 @@ def quantize_linears(model: nn.Module, config: QuantConfig, checkpoint: dict[str
                 raise QuantizationError(f"{name}: {n} output features in the checkpoint, the "
                                         f"model expects {child.out_features}")
             if isinstance(weight, IntWeight) and device.type == "cpu" and dtype == torch.float32:
-                for source, part in zip(sources, parts, strict=True):
+                ints = cast(list[IntWeight], parts)  # as weight: _concat refuses mixed parts
+                for source, part in zip(sources, ints, strict=True):
                     checkpoint[f"{source}.weight"] = quant_reference.dequantize_int(
                         part.qweight, part.scales, part.zeros, part.g_idx)
                 continue
             biases = [checkpoint.pop(f"{s}.bias") for s in sources if f"{s}.bias" in checkpoint]
             bias = torch.cat(biases) if biases else None
-            cls = Fp8Linear if isinstance(weight, Fp8Weight) else IntQuantLinear
-            setattr(parent, child_name, cls(weight, bias, dtype, device))
+            layer = (Fp8Linear(weight, bias, dtype, device) if isinstance(weight, Fp8Weight)
+                     else IntQuantLinear(weight, bias, dtype, device))
+            setattr(parent, child_name, layer)
