@@ -17,7 +17,8 @@ benchmarks/out/sharing-<model>.json.
 With ``--peers vllm`` the shared request (one prompt, n samples) also runs on vLLM's CPU
 build: each system in a process of its own, alternating with pagedq over ``--rounds``
 (benchmarks/peers.py), prefix caching on in both (vLLM runs a request's n samples as n
-requests and shares the prompt through its prefix cache); writes
+requests and shares the prompt through its prefix cache), ``--calls`` times a process on a
+fresh prompt of the same length (its first call, then the steady state); writes
 benchmarks/out/sharing-peers-<model>.json. The transformers peers take greedy n=1 requests
 only, so they have no part here.
 
@@ -83,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", choices=["vllm"], default=None,
                    help="run the shared request on vLLM too, alternating (benchmarks/peers.py)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the --peers alternation")
+    p.add_argument("--calls", type=int, default=2,
+                   help="--peers: generate calls per process, each on a fresh prompt of the same "
+                        "length (the first call, then the steady state)")
     p.add_argument("--vllm-block-size", type=int, default=128,
                    help="vLLM's KV block size (its CPU build takes multiples of 32)")
     return p.parse_args(argv)
@@ -135,9 +139,11 @@ def report(name: str, rows: list[Row], args: argparse.Namespace, threads: int) -
 def bench_peers(path: Path, prompt: list[int], args: argparse.Namespace, threads: int) -> None:
     import peers
 
-    request = {"prompt": prompt, "n": args.n, "temperature": args.temperature,
-               "seed": args.seed, "max_tokens": args.max_tokens}
-    spec = peers.make_spec(path, [request], threads=threads, block_size=16,
+    rng, ids = np.random.default_rng(args.seed + 1), usable_token_ids(path)
+    prompts = [prompt] + [random_prompt(rng, ids, len(prompt)) for _ in range(args.calls - 1)]
+    calls = [[{"prompt": p, "n": args.n, "temperature": args.temperature, "seed": args.seed,
+               "max_tokens": args.max_tokens}] for p in prompts]
+    spec = peers.make_spec(path, calls, threads=threads, block_size=16,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True)
     peers.compare(f"sharing: model={args.model}, n={args.n} on a {args.prompt_len}-token "
                   f"prompt, {args.max_tokens} tokens each, temperature {args.temperature}",

@@ -23,7 +23,9 @@ and writes benchmarks/out/throughput-<model>.json (throughput_report.py).
 
 With ``--peers vllm,hf-static,hf-cb`` each system runs the same requests in its own process,
 alternating with pagedq over ``--rounds`` (benchmarks/peers.py), with peak RSS and greedy
-agreement on every request: benchmarks/out/throughput-peers-<model>.json.
+agreement on every request: benchmarks/out/throughput-peers-<model>.json. A process runs
+``--calls`` generates, each on fresh prompts of the same lengths: its first call and its steady
+state, reported apart.
 
     .venv/bin/python benchmarks/throughput.py --model random --num-requests 16
 """
@@ -83,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HF static batch sizes, comma-separated")
     p.add_argument("--peers", default="", help="comma-separated: vllm, hf-static, hf-cb")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the --peers alternation")
+    p.add_argument("--calls", type=int, default=2,
+                   help="--peers: generate calls per process, each on fresh prompts of the same "
+                        "lengths (the first call, then the steady state)")
     p.add_argument("--vllm-block-size", type=int, default=128, help="multiple of 32")
     p.add_argument("--device", default="cpu", help="cpu or cuda, for every system")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -114,6 +119,12 @@ def make_workload(path: Path, args: argparse.Namespace) -> Workload:
     output_lens = rng.integers(args.min_output, args.max_output + 1, n)
     return Workload([random_prompt(rng, ids, int(k)) for k in prompt_lens],
                     [int(k) for k in output_lens])
+
+
+def fresh_prompts(path: Path, wl: Workload, seed: int) -> Workload:
+    """``wl``'s lengths with other random token ids: a call the prefix cache holds nothing of."""
+    rng, ids = np.random.default_rng(seed), usable_token_ids(path)
+    return Workload([random_prompt(rng, ids, len(p)) for p in wl.prompts], wl.output_lens)
 
 
 # ----------------------------------------------------------------------------- pagedq
@@ -155,7 +166,8 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
     systems = ["pagedq"] + [system for peer in args.peers for system in runs[peer]]
     # pagedq's default block (16; the standalone run takes 8 for issue 2's KV utilisation
     # figure): against vLLM, 8 cost random-26m 4 % (12.93 against 12.37 s, AMD EPYC Zen 5)
-    spec = peers.make_spec(path, peers.greedy_requests(wl.prompts, wl.output_lens),
+    calls = [wl] + [fresh_prompts(path, wl, args.seed + 1 + i) for i in range(args.calls - 1)]
+    spec = peers.make_spec(path, [peers.greedy_requests(c.prompts, c.output_lens) for c in calls],
                            threads=threads, block_size=args.block_size or 16,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True,
                            max_num_seqs=PAGEDQ_MAX_NUM_SEQS,

@@ -1,10 +1,11 @@
 """Runs one benchmark spec on vLLM's CPU build: started by benchmarks/peers.py with
 .venv-vllm's interpreter, so it imports vllm and the standard library only (never pagedq).
 
-Reads the spec JSON (``peers.write_spec``), generates every request at once with token-id
-prompts (``TokensPrompt``), and writes the result JSON: each request's samples' token ids,
-wall and CPU seconds of ``generate`` and peak RSS, of this process and vLLM's engine
-process together (``proctree``).
+Reads the spec JSON (``peers.make_spec``) and runs its calls one after the other on one
+``LLM``, as benchmarks/peers_child.py runs pagedq's (call 0 the process's first, no warm-up):
+each call's requests at once with token-id prompts (``TokensPrompt``). Writes the result
+JSON: per call its requests' samples' token ids and the wall and CPU seconds of ``generate``,
+and the peak RSS, of this process and vLLM's engine process together (``proctree``).
 
     .venv-vllm/bin/python benchmarks/vllm_child.py SPEC.json RESULT.json
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 # benchmarks/queue.py would shadow the standard library's queue (vllm imports it).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-from proctree import cpu_seconds, peak_rss_mb  # noqa: E402
+from peers_child import timed_call  # noqa: E402
+from proctree import peak_rss_mb  # noqa: E402
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -36,19 +38,17 @@ def main(spec_path: str, out_path: str) -> None:
               enable_prefix_caching=spec["prefix_caching"], seed=0,
               max_model_len=spec["max_model_len"])
     setup = time.perf_counter() - started
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in spec["requests"]]
-    params = [SamplingParams(n=r["n"], temperature=r["temperature"], seed=r["seed"],
-                             max_tokens=r["max_tokens"], ignore_eos=True, detokenize=True)
-              for r in spec["requests"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up, as pagedq's run has
-    wall, cpu = time.perf_counter(), cpu_seconds()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-    result = {"system": "vllm", "seconds": wall, "cpu_seconds": cpu, "setup_seconds": setup,
-              "peak_rss_mb": peak_rss_mb(),
-              "tokens": [[list(o.token_ids) for o in out.outputs] for out in outs],
-              "extra": {"vllm_block_size": spec["vllm_block_size"]}}
+    calls = []
+    for requests in spec["calls"]:
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
+        params = [SamplingParams(n=r["n"], temperature=r["temperature"], seed=r["seed"],
+                                 max_tokens=r["max_tokens"], ignore_eos=True, detokenize=True)
+                  for r in requests]
+        outs, clock = timed_call(llm.generate, prompts, params, use_tqdm=False)
+        calls.append(clock | {"tokens": [[list(o.token_ids) for o in out.outputs]
+                                         for out in outs]})
+    result = {"system": "vllm", "calls": calls, "setup_seconds": setup,
+              "peak_rss_mb": peak_rss_mb(), "extra": {"vllm_block_size": spec["vllm_block_size"]}}
     with open(out_path, "w") as f:
         json.dump(result, f)
 

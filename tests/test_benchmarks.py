@@ -47,7 +47,9 @@ def test_throughput_peers(run_benchmark) -> None:
                         "--max-prompt", "30", "--min-output", "2", "--max-output", "6",
                         "--peers", "vllm,hf-static", "--batch-sizes", "2", "--rounds", "1")
     rows = out["throughput-peers-tiny"]["rows"]
-    assert [(r["system"], r["round"]) for r in rows] == [("pagedq", 0), ("hf-static B=2", 0)]
+    assert [(r["system"], r["round"], r["call"]) for r in rows] == [
+        ("pagedq", 0, "first"), ("pagedq", 0, "steady"),
+        ("hf-static B=2", 0, "first"), ("hf-static B=2", 0, "steady")]
     assert all(r["identical"] == "3/3" and r["peak_rss_mb"] > 0 for r in rows)
     assert "vllm left out: no " in out["stdout"]
 
