@@ -5,6 +5,12 @@ registered under a chained hash of their tokens (the hash of block i covers toke
 ``0 .. (i+1)*block_size``), so a later sequence with the same prefix reuses them. A block whose
 ref count drops to zero joins the free queue but keeps its cached content until it is handed
 out again; the queue is in least-recently-freed order, so eviction is LRU.
+
+The blocks one call takes (a prompt's, a chunk's) go into the table in ascending id order, not
+in the queue's: which blocks are evicted is the same, but a sequence's KV then runs forward
+through memory. Once the pool had been handed out whole, the queue's order (each sequence freed
+tail first) had scattered the runs: SmolLM2's 128 throughput.py requests on a warm pool took
+47.6-47.8 s against 46.4-46.6 sorted (AMD EPYC Zen 5, 2 threads, alternating processes).
 """
 
 from collections import OrderedDict
@@ -48,6 +54,11 @@ class BlockManager:
             chain.append(hash((chain[-1] if chain else None, self._block_tokens(seq, i))))
         return chain
 
+    def _take_run(self, count: int) -> list[int]:
+        """``count`` blocks off the free queue, in ascending id order (see the module's
+        docstring)."""
+        return sorted(self._take_free() for _ in range(count))
+
     def _take_free(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed first
         block = self.blocks[block_id]
@@ -87,7 +98,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
-        seq.block_table = hits + [self._take_free() for _ in range(needed)]
+        seq.block_table = hits + self._take_run(needed)
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         self.chains[seq.seq_id] = self._extend_chain(seq, [], len(hits))
         self.prefix_cache_queries += len(seq)
@@ -111,7 +122,7 @@ class BlockManager:
             self.blocks[src].ref_count -= 1
             seq.block_table[write_block] = self._take_free()
             copies.append((src, seq.block_table[write_block]))
-        seq.block_table.extend(self._take_free() for _ in range(grow))
+        seq.block_table.extend(self._take_run(grow))
         return True
 
     def register_computed(self, seq: Sequence) -> None:

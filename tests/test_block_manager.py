@@ -100,3 +100,23 @@ def test_eviction_is_least_recently_freed_first() -> None:
     bm.free(b)
     bm.allocate(c, 5)
     assert c.num_cached_tokens == 2  # [1, 2] survived; [3, 4] was evicted
+
+
+def test_a_call_takes_the_least_recently_freed_blocks_in_ascending_order() -> None:
+    """The blocks evicted are the LRU ones, as before; only their order in the table is by id,
+    so that a sequence's KV runs forward through the pool once the queue is shuffled."""
+    bm = BlockManager(10, 2, enable_prefix_caching=True)
+    a = _seq(list(range(20)))
+    bm.allocate(a, 20)
+    _compute(bm, a, 20)
+    bm.free(a)  # tail first: the queue is now 9, 8, ..., 0
+    assert list(bm.free_queue) == list(range(9, -1, -1))
+    b = _seq(list(range(100, 106)))
+    assert bm.allocate(b, 6) == 6
+    assert b.block_table == [7, 8, 9]  # the three least recently freed, ascending
+    _compute(bm, b, 6)
+    assert bm.append_slots(b, 4, [])  # a chunk of two more blocks, the next in the queue
+    assert b.block_table == [7, 8, 9, 5, 6]
+    c = _seq(list(range(8)))  # a's first blocks still hold their cached prefix
+    assert bm.allocate(c, 8) == 2
+    assert c.num_cached_tokens == 6 and c.block_table == [0, 1, 2, 4]
