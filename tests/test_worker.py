@@ -22,8 +22,7 @@ from producer.protocol import Chunk, Done, End, Error, Event, cancel_key, result
 from producer.rq_mirror import job_key, worker_key
 from worker.config import Settings, parse_args
 from worker.connection import connect
-from worker.driver import prompt_token_ids
-from worker.job_params import engine_params
+from worker.job_params import engine_params, prompt_token_ids
 from worker.publisher import CLOSE_WAIT_S, Batch, Publisher
 from worker.service import Worker
 

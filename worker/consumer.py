@@ -5,12 +5,13 @@ peers, keeping this worker's own jobs claimed, and what each job's result stream
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, cast
 
 import redis
 import structlog
 from pydantic import TypeAdapter, ValidationError
 from redis.client import Pipeline
+from redis.typing import StreamIdT
 
 from producer.protocol import (
     EVENT_FIELD,
@@ -152,7 +153,8 @@ class Consumer:
             log.warning("consumer group missing; creating it", queue=self.queue)
             self.ensure_group()  # the stream, or Redis's data, went away
             return []
-        return [parse(entry_id, _fields(fields), False) for _, entries in reply or []
+        streams = cast(list[tuple[str, list[tuple[str, dict[str, str]]]]], reply or [])
+        return [parse(entry_id, _fields(fields), False) for _, entries in streams
                 for entry_id, fields in entries]
 
     def reclaim(self, count: int, min_idle_ms: int) -> list[Delivery]:
@@ -172,7 +174,7 @@ class Consumer:
     def refresh(self, entry_ids: Iterable[str]) -> None:
         """Re-claims this worker's in-flight jobs, which resets their idle time, so that no
         peer takes them over while they run."""
-        ids = list(entry_ids)
+        ids: list[StreamIdT] = list(entry_ids)
         if ids:
             retry(lambda: self.conn.xclaim(self.key, GROUP, self.name, 0, ids,
                                                  justid=True), "refresh claims", self.give_up)

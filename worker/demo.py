@@ -51,6 +51,7 @@ def run_jobs(worker: Worker, client: Client, max_tokens: int) -> None:
           f"{stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens, "
           f"preemptions {stats['preemptions']}")
     shared = next(h.result(timeout=1) for h, (_, n) in zip(handles, JOBS, strict=True) if n > 1)
+    assert shared.usage is not None  # a finished job's result carries its usage
     prompt, block_size = shared.usage.prompt_tokens, worker.engine.config.block_size
     n = len(shared.outputs)
     print(f"the n={n} job's {prompt}-token prompt: its {prompt // block_size} full blocks of "

@@ -19,13 +19,13 @@ becomes result events, RQ mirror transitions and acknowledgements in a Batch.
   unexpected exception `internal`; each fails that job only.
 """
 
+import functools
 import time
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 import structlog
-from transformers import PreTrainedTokenizerBase
 
 from engine.detokenizer import held_back_text
 from engine.llm_engine import LLMEngine, Resume
@@ -34,20 +34,11 @@ from engine.sampling_params import SamplingParams
 from producer.protocol import Chunk, Done, End, Error, Event, Job, Usage
 from worker.consumer import Consumer, Delivery
 from worker.intake import Intake
-from worker.job_params import engine_params
+from worker.job_params import engine_params, prompt_token_ids
 from worker.metrics import Metrics
 from worker.publisher import Batch
 
 log = structlog.get_logger()
-
-
-def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, job: Job) -> list[int]:
-    """The job's prompt as token ids: chat messages through the model's chat template."""
-    if job.messages is not None:
-        chat = [m.model_dump() for m in job.messages]
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"])
-    return tokenizer.encode(job.prompt) if isinstance(job.prompt, str) else list(job.prompt)
 
 
 @dataclass
@@ -110,10 +101,11 @@ class Driver:
                 continue
             if any(isinstance(e, End | Error) for e in d.events):
                 bound.info("job already ended; acknowledging it")
-                batch.call(lambda p, d=d: self.consumer.ack(p, d.entry_id))
+                batch.call(functools.partial(self.consumer.ack, entry_id=d.entry_id))
             elif d.deliveries > self.max_deliveries:
                 reason = f"delivered {d.deliveries} times (max_deliveries={self.max_deliveries})"
-                batch.call(lambda p, d=d, r=reason: self.consumer.dead_letter(p, d, r))
+                batch.call(functools.partial(self.consumer.dead_letter, delivery=d,
+                                             reason=reason))
                 self._fail(d.job_id, d.entry_id, d.written, "dead_letter", reason, batch, bound)
             elif d.invalid:
                 self._fail(d.job_id, d.entry_id, d.written, "invalid_job", d.invalid, batch,

@@ -184,7 +184,7 @@ class _Snapshot(Collector):
         for key, (name, kind, text) in ENGINE_METRICS.items():
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, text)
             if key in stats:
-                family.add_metric([], stats[key])
+                family.add_metric([], float(stats[key]))
             yield family
         info = GaugeMetricFamily("pagedq_kv_cache_info", "The KV cache's element type (label)",
                                  labels=["kv_cache_dtype"])
@@ -204,7 +204,7 @@ class _Snapshot(Collector):
                                   "1, labelled with the model's weight quantization",
                                   labels=["quantization"])
         if "quantization" in stats:
-            quant.add_metric([stats["quantization"]], 1)
+            quant.add_metric([str(stats["quantization"])], 1)
         yield quant
         up = GaugeMetricFamily("pagedq_redis_up", "1 when Redis answered this scrape")
         up.add_metric([], int(queue is not None))
