@@ -33,10 +33,7 @@ class DecodeStep:
     def __init__(self, dims: dict[str, int], layers: list[dict[str, torch.Tensor | None]],
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                  scale: float) -> None:
-        function = cpu_native.function("pagedq_decode")
-        if function is None:
-            raise RuntimeError("cpu_decode.c could not be built on this machine")
-        self._function = function
+        self._function = cpu_native.required("pagedq_decode")
         if len(layers) != dims["layers"]:
             raise ValueError(f"{len(layers)} layers given for dims['layers']={dims['layers']}")
         tensors = [final_norm, cos, sin]

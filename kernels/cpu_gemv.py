@@ -31,9 +31,7 @@ def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
          out_features: int, block: int) -> torch.Tensor:
     """``x`` [rows, in] (unit stride along in) times the packed weights,
     plus ``bias``: [rows, out_features], float32 on the CPU."""
-    function = cpu_native.function("pagedq_gemv")
-    if function is None:
-        raise RuntimeError("cpu_gemv.c could not be built on this machine")
+    function = cpu_native.required("pagedq_gemv")
     rows, in_features = x.shape
     if rows == 0 or x.stride(1) != 1 or panels.shape[1] != in_features:
         raise ValueError(f"gemv takes rows of {panels.shape[1]} inputs with unit "

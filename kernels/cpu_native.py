@@ -31,8 +31,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 _SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.c",
             "cpu_decode.c")
@@ -100,7 +102,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 @cache
-def function(name: str) -> ctypes._CFuncPtr | None:
+def function(name: str) -> Callable[..., Any] | None:
     """The C function ``name`` (a key of ``_SIGNATURES``) from the built library, or None
     where it cannot be had."""
     library = _library()
@@ -108,4 +110,12 @@ def function(name: str) -> ctypes._CFuncPtr | None:
         return None
     found = getattr(library, name)
     found.argtypes, found.restype = _SIGNATURES[name]
+    return found
+
+
+def required(name: str) -> Callable[..., Any]:
+    """``function(name)``, for callers that chose the C path: raises where it cannot be had."""
+    found = function(name)
+    if found is None:
+        raise RuntimeError(f"{name}: the C kernels could not be built on this machine")
     return found

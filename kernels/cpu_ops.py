@@ -156,7 +156,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if attention_body(q.shape[2]) == "c":
         q, tables = q.contiguous(), block_tables.contiguous()
         lens = context_lens.to(torch.int32).contiguous()
-        if cpu_native.function("pagedq_decode_attention")(
+        if cpu_native.required("pagedq_decode_attention")(
                 q.data_ptr(), q.shape[1] * q.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), q.shape[0], scale,
                 out.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
@@ -218,7 +218,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if attention_body(q.shape[2]) == "c":
         q, tables = q.contiguous(), block_tables.contiguous()
         tiles = _query_tiles(cu_seqlens_q, context_lens)
-        if cpu_native.function("pagedq_prefill")(
+        if cpu_native.required("pagedq_prefill")(
                 q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                 tables.shape[1], tiles.ctypes.data, tiles.shape[0], scale, out.data_ptr(),
                 q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],

@@ -16,7 +16,9 @@ def on_torch_threads(kernel: Callable[..., None], *args: Any) -> None:
     call, not a context manager: it runs once per attention call, some 30 times a decode step."""
     threads = torch.get_num_threads()
     if numba.get_num_threads() != threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        # numba.config sets its attributes at import (its stub declares none of them)
+        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+        numba.set_num_threads(min(threads, most))
     try:
         kernel(*args)
     finally:
@@ -32,7 +34,8 @@ def cpu_float32(*tensors: torch.Tensor) -> bool:
     return True
 
 
-JIT = {"parallel": True, "fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
+JIT: dict[str, Any] = {"parallel": True, "fastmath": True, "cache": True, "nogil": True,
+                       "error_model": "numpy"}
 SERIAL = JIT | {"parallel": False}
 
 
