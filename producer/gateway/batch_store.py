@@ -50,6 +50,10 @@ def batch_key(batch_id: str, part: str = "") -> str:
     return f"{PREFIX}:batch:{batch_id}{':' + part if part else ''}"
 
 
+def no_such_batch(batch_id: str) -> ApiError:
+    return ApiError(404, f"No such Batch object: {batch_id}", "batch_not_found", "batch_id")
+
+
 def time_field(status: str) -> str:
     """OpenAI's timestamp field of a status: ``cancelled`` -> ``cancelled_at``."""
     return f"{status}_at"
@@ -85,8 +89,7 @@ class BatchStore:
             pipe.hlen(batch_key(batch_id, "failed"))
             raw, ok, failed = await pipe.execute()
         if not raw:
-            raise ApiError(404, f"No such Batch object: {batch_id}", "batch_not_found",
-                           "batch_id")
+            raise no_such_batch(batch_id)
         batch = {k: json.loads(v) for k, v in raw.items()}
         total = batch.pop("total")
         return batch | {"request_counts": {"total": total, "completed": ok, "failed": failed}}
@@ -113,8 +116,7 @@ class BatchStore:
     async def status(self, batch_id: str) -> str:
         raw = cast(str | None, await self.redis.hget(batch_key(batch_id), "status"))
         if raw is None:
-            raise ApiError(404, f"No such Batch object: {batch_id}", "batch_not_found",
-                           "batch_id")
+            raise no_such_batch(batch_id)
         return json.loads(raw)
 
     async def answer(self, batch_id: str, index: int, line: dict[str, Any], ok: bool) -> None:

@@ -34,6 +34,10 @@ def file_key(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}"
 
 
+def no_such_file(file_id: str) -> ApiError:
+    return ApiError(404, f"No such File object: {file_id}", "file_not_found", "file_id")
+
+
 class FileStore:
     def __init__(self, conn: Redis, max_bytes: int) -> None:
         # decode_responses=True (state.py): its replies are str, as cast
@@ -59,13 +63,13 @@ class FileStore:
     async def get(self, file_id: str) -> dict[str, Any]:
         meta = await self.redis.hget(file_key(file_id), "meta")
         if meta is None:
-            raise ApiError(404, f"No such File object: {file_id}", "file_not_found", "file_id")
+            raise no_such_file(file_id)
         return json.loads(meta)
 
     async def content(self, file_id: str) -> str:
         content = cast(str | None, await self.redis.hget(file_key(file_id), "content"))
         if content is None:
-            raise ApiError(404, f"No such File object: {file_id}", "file_not_found", "file_id")
+            raise no_such_file(file_id)
         return content
 
     async def delete(self, file_id: str) -> None:
