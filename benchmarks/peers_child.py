@@ -31,6 +31,11 @@ def timed_call(generate: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str,
     return out, {"seconds": time.perf_counter() - wall, "cpu_seconds": cpu_seconds() - cpu}
 
 
+def sample_tokens(outs: Any) -> list[list[list[int]]]:
+    """Per request, each sample's token ids (pagedq's and vLLM's RequestOutput alike)."""
+    return [[list(o.token_ids) for o in out.outputs] for out in outs]
+
+
 def run_pagedq(spec: dict[str, Any]) -> dict[str, Any]:
     """pagedq's ``LLM.generate`` on every request of a call at once, call after call."""
     from engine import LLM, SamplingParams
@@ -45,8 +50,7 @@ def run_pagedq(spec: dict[str, Any]) -> dict[str, Any]:
                                  max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
         outs, clock = timed_call(llm.generate, [r["prompt"] for r in requests], params,
                                  use_tqdm=False)
-        calls.append(clock | {"tokens": [[list(o.token_ids) for o in out.outputs]
-                                         for out in outs]})
+        calls.append(clock | {"tokens": sample_tokens(outs)})
     stats = llm.stats()
     extra = {k: stats[k] for k in ("kv_blocks_peak", "kv_blocks_total", "kv_utilization_at_peak",
                                    "preemptions", "prefix_cache_hits")}
@@ -61,13 +65,13 @@ def run_hf(system: str, spec: dict[str, Any]) -> dict[str, Any]:
     import hf_runs
     from common import Workload
 
+    if any(r["n"] != 1 or r["temperature"] != 0 for call in spec["calls"] for r in call):
+        raise ValueError(f"{system}: the transformers peers run greedy n=1 requests only")
     model = hf_runs.load_hf(Path(spec["model"]), argparse.Namespace(device="cpu",
                                                                     dtype="float32"))
     kind, _, size = system.partition(" ")
     calls = []
     for requests in spec["calls"]:
-        if any(r["n"] != 1 or r["temperature"] != 0 for r in requests):
-            raise ValueError(f"{system}: the transformers peers run greedy n=1 requests only")
         wl = Workload([r["prompt"] for r in requests], [r["max_tokens"] for r in requests])
         if kind == "hf-static":
             result, tokens = hf_runs.run_hf_static(model, wl, int(size.removeprefix("B=")))

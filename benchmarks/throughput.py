@@ -121,9 +121,10 @@ def make_workload(path: Path, args: argparse.Namespace) -> Workload:
                     [int(k) for k in output_lens])
 
 
-def fresh_prompts(path: Path, wl: Workload, seed: int) -> Workload:
-    """``wl``'s lengths with other random token ids: a call the prefix cache holds nothing of."""
-    rng, ids = np.random.default_rng(seed), usable_token_ids(path)
+def fresh_prompts(wl: Workload, ids: np.ndarray, seed: int) -> Workload:
+    """``wl``'s lengths with other random token ids (of ``ids``): a call the prefix cache holds
+    nothing of."""
+    rng = np.random.default_rng(seed)
     return Workload([random_prompt(rng, ids, len(p)) for p in wl.prompts], wl.output_lens)
 
 
@@ -166,7 +167,8 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
     systems = ["pagedq"] + [system for peer in args.peers for system in runs[peer]]
     # pagedq's default block (16; the standalone run takes 8 for issue 2's KV utilisation
     # figure): against vLLM, 8 cost random-26m 4 % (12.93 against 12.37 s, AMD EPYC Zen 5)
-    calls = [wl] + [fresh_prompts(path, wl, args.seed + 1 + i) for i in range(args.calls - 1)]
+    ids = usable_token_ids(path)
+    calls = [wl] + [fresh_prompts(wl, ids, args.seed + 1 + i) for i in range(args.calls - 1)]
     spec = peers.make_spec(path, [peers.greedy_requests(c.prompts, c.output_lens) for c in calls],
                            threads=threads, block_size=args.block_size or 16,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True,

@@ -20,7 +20,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 # benchmarks/queue.py would shadow the standard library's queue (vllm imports it).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
-from peers_child import timed_call  # noqa: E402
+from peers_child import sample_tokens, timed_call  # noqa: E402
 from proctree import peak_rss_mb  # noqa: E402
 
 
@@ -45,8 +45,7 @@ def main(spec_path: str, out_path: str) -> None:
                                  max_tokens=r["max_tokens"], ignore_eos=True, detokenize=True)
                   for r in requests]
         outs, clock = timed_call(llm.generate, prompts, params, use_tqdm=False)
-        calls.append(clock | {"tokens": [[list(o.token_ids) for o in out.outputs]
-                                         for out in outs]})
+        calls.append(clock | {"tokens": sample_tokens(outs)})
     result = {"system": "vllm", "calls": calls, "setup_seconds": setup,
               "peak_rss_mb": peak_rss_mb(), "extra": {"vllm_block_size": spec["vllm_block_size"]}}
     with open(out_path, "w") as f:
