@@ -95,7 +95,7 @@ class AsyncMux:
                 for sub in self.streams.everyone():
                     sub.inbox.put_nowait(exc)
                 failures += 1
-                await asyncio.sleep(min(2.0, self.backoff * 2 ** min(failures, 6)))
+                await asyncio.sleep(core.read_backoff(failures, self.backoff))
                 continue
             failures = 0
             for sub, entries in self.streams.dispatch(reply):

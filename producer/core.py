@@ -108,6 +108,12 @@ def decode_entries(entries: Entries) -> list[tuple[str, Event]]:
     return [(entry_id, _EVENT.validate_json(fields[EVENT_FIELD])) for entry_id, fields in entries]
 
 
+def read_backoff(failures: int, base: float) -> float:
+    """Seconds a reader thread waits after ``failures`` failed reads in a row: doubling from
+    ``base``, at most 2 s."""
+    return min(2.0, base * 2 ** min(failures, 6))
+
+
 def xread_streams(reply: Any) -> list[tuple[str, Entries]]:
     """``(stream, entries)`` per stream of an XREAD reply (RESP2 list or RESP3 dict)."""
     if not reply:

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from .core import BLOCK_SLICE, READ_COUNT, Entries, xread_streams
+from .core import BLOCK_SLICE, READ_COUNT, Entries, read_backoff, xread_streams
 from .protocol import results_key, wake_key
 
 WAKE_TTL = 3600
@@ -172,7 +172,7 @@ class Mux:
                     for sub in self.streams.everyone():
                         sub.inbox.put(exc)
                 failures += 1
-                time.sleep(min(2.0, self.backoff * 2 ** min(failures, 6)))
+                time.sleep(read_backoff(failures, self.backoff))
                 continue
             failures = 0
             with self.lock:

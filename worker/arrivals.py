@@ -29,7 +29,7 @@ import time
 import redis
 import structlog
 
-from producer.core import xread_streams
+from producer.core import read_backoff, xread_streams
 
 log = structlog.get_logger()
 BLOCK_MS = 500  # the watcher's read returns this often without news, to see close()
@@ -75,7 +75,7 @@ class Arrivals:
             except redis.RedisError as exc:  # Redis down or the stream gone: the loop copes
                 failures += 1
                 log.debug("arrivals watch failed", error=str(exc), failures=failures)
-                time.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)))
+                time.sleep(read_backoff(failures, 0.05))
                 continue
             failures = 0
             if xread_streams(reply):
