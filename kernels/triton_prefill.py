@@ -7,6 +7,8 @@ grid is ``T_q // BLOCK_Q + B`` and spare tiles exit at once. A tile holds ``BLOC
 tokens times the ``GROUP`` query heads of its KV head, so each KV tile is read once per group.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,20 @@ from kernels.triton_attention import (
     _scales,
     kv_scale_args,
 )
+
+
+class PrefillTiles(NamedTuple):
+    """A launch shape: query rows (tokens x group heads) and KV tokens per tile, warps, and
+    software-pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tiles(device: torch.device) -> PrefillTiles:
+    """Small tiles for the interpreter (speed); on CUDA the shape of the first H100 figures."""
+    return PrefillTiles(64, 64, 4, 3) if device.type == "cuda" else PrefillTiles(32, 32, 4, 1)
 
 
 @triton.jit
@@ -65,7 +81,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, bt_ptr, ctx_ptr, out_ptr, qk_sc
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # KV tiles before the tile's first query position are seen by every row: no causal mask
+    full_end = tl.minimum((ctx - q_len + first + 1) // BLOCK_N * BLOCK_N, kv_end)
+    for n0 in range(0, full_end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        in_ctx = tok < kv_end
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + seq * s_bt,
+                                     kvh * s_kh, tok, in_ctx, in_ctx[None, :], s_kb, s_ks,
+                                     qk_scale, offs_d, d_mask, BLOCK_SIZE, DOT_DTYPE, PREC)
+    for n0 in range(full_end, kv_end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         in_ctx = tok < kv_end
         visible = in_ctx[None, :] & (tok[None, :] <= q_pos[:, None])
@@ -82,15 +106,17 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             context_lens: torch.Tensor, scale: float, *,
                             k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """As ``reference.paged_attention_prefill``; ``out`` receives the result."""
+                            out: torch.Tensor | None = None,
+                            tiles: PrefillTiles | None = None) -> torch.Tensor:
+    """As ``reference.paged_attention_prefill``; ``out`` receives the result, ``tiles`` overrides
+    the launch shape (``benchmarks/gpu_profile.py`` sweeps it)."""
     _check(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    cuda = q.device.type == "cuda"
-    block_m = max(64 if cuda else 32, triton.next_power_of_2(group))
+    tiles = tiles or default_tiles(q.device)
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     num_seqs = context_lens.shape[0]
     dot_dtype, prec = _dot_config(q.dtype, q.device)
@@ -99,7 +125,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_seqs=num_seqs, s_qt=q.stride(0), s_qh=q.stride(1), s_kb=k_cache.stride(0),
         s_ks=k_cache.stride(1), s_kh=k_cache.stride(2), s_bt=block_tables.stride(0),
         s_ot=out.stride(0), s_oh=out.stride(1), GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if cuda else 32,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), DOT_DTYPE=dot_dtype, PREC=prec,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **kv_scale_args(q, k_scale, v_scale))
     return out

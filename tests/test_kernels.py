@@ -185,13 +185,21 @@ def test_rotary(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim:
     _check_rotary(dtype, 7, num_heads, num_kv_heads, head_dim, 50)
 
 
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+@pytest.mark.parametrize("rows,width", [(3, 40), (2, 1500)])  # 1500: two column blocks, a tail
+def test_silu_and_mul(dtype: torch.dtype, rows: int, width: int) -> None:
+    x = 4 * _randn(_gen("silu", dtype, rows, width), rows, 2 * width, dtype=dtype)
+    # ulps: libdevice's expf against the one torch was built with
+    torch.testing.assert_close(triton_ops.silu_and_mul(x), reference.silu_and_mul(x),
+                               **_ulps(dtype, 2))
+
+
 def test_dispatch() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert kernels._resolve("copy_blocks", cpu, None) is reference.copy_blocks
     assert kernels._resolve("rotary", cpu, "torch") is reference.rotary
     assert kernels._resolve("rotary", cuda, None) is triton_ops.rotary
-    # an op a backend leaves out is the reference's
-    assert kernels._resolve("silu_and_mul", cuda, None) is reference.silu_and_mul
+    assert kernels._resolve("silu_and_mul", cuda, None) is triton_ops.silu_and_mul
     assert kernels._resolve("copy_blocks", cpu, "triton") is triton_ops.copy_blocks
     with pytest.raises(ValueError, match="not available"):
         kernels._resolve("rotary", cpu, "cutlass")
@@ -241,3 +249,4 @@ class TestCuda:
         _check_rms_norm(dtype, 4096, 4096, True)
         _check_rms_norm(dtype, 1000, 2048, False)
         _check_rotary(dtype, 4096, 32, 8, 128, 8192)
+        test_silu_and_mul(dtype, 4096, 8192)
