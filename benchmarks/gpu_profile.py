@@ -37,7 +37,7 @@ from kernels import reference  # noqa: E402
 from kernels.triton_prefill import PrefillTiles, paged_attention_prefill  # noqa: E402
 
 # (owner under the engine, method): each becomes a profiler range "phase:owner.method"
-PHASES = [("scheduler", "schedule"), ("model_runner", "_prepare"), ("model_runner", "run"),
+PHASES = [("scheduler", "schedule"), ("model_runner", "_gather"), ("model_runner", "run"),
           ("beam_search", "step"), ("", "sampler"), ("", "_append")]
 
 
@@ -71,6 +71,7 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
     for owner, attr in PHASES:
         obj = getattr(engine, owner) if owner else engine
         _label(obj, attr, f"phase:{owner or 'engine'}.{attr}")
+    _label(runner, "_forward", "phase:model_runner._forward")
     if runner.graphs is not None:
         _label(runner.graphs, "run", "phase:graphs.run")
     _label(runner.model, "compute_logits", "phase:compute_logits")
@@ -79,7 +80,10 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
     for i in range(batch):
         engine.add_request(f"p{i}", torch.randint(3, engine.vocab_size, (prompt_len,),
                                                   generator=gen).tolist(), params)
-    for _ in range(8):  # prefill, then a few decode steps
+    seqs = [s for r in engine.requests.values() for s in r.seqs]
+    while min(s.num_output_tokens for s in seqs) < 1:  # every prompt prefilled
+        engine.step()
+    for _ in range(5):
         engine.step()
     wall = []
     for _ in range(steps):
@@ -97,11 +101,12 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
     kernels: dict[str, list[float]] = defaultdict(list)
     spans, phases = [], defaultdict(float)
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
+        if e.name.startswith("phase:"):  # the ranges have a GPU-side twin: not a kernel
+            if e.device_type != DeviceType.CUDA:
+                phases[e.name.removeprefix("phase:")] += e.time_range.elapsed_us()
+        elif e.device_type == DeviceType.CUDA:
             kernels[e.name].append(e.time_range.elapsed_us())
             spans.append((e.time_range.start, e.time_range.end))
-        elif e.name.startswith("phase:"):
-            phases[e.name.removeprefix("phase:")] += e.time_range.elapsed_us()
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
     # the floor: every weight and every sequence's KV read once, at the copy bandwidth
     weight_bytes = sum({p.data_ptr(): p.nbytes for p in runner.model.parameters()}.values())

@@ -18,6 +18,26 @@ class DecodeGroup:
 
 
 @dataclass
+class StepInputs:
+    """A step's inputs on the host, rows in the model's order: single-token (decode) rows first,
+    longest context first, then prefill chunks. The model runner turns them into device tensors
+    (``Context``); CUDA graphs stage them in pinned memory instead (``engine.cuda_graph``)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per row (sequence)
+    context_lens: list[int] = field(default_factory=list)
+    cu_seqlens: list[int] = field(default_factory=lambda: [0])  # the prefill chunks'
+    num_decode: int = 0
+    logit_rows: list[int] = field(default_factory=list)  # the tokens whose logits are sampled
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decode == len(self.input_ids)
+
+
+@dataclass
 class Context:
     slot_mapping: torch.Tensor  # [T]: where each token's KV goes
     num_decode_tokens: int  # the first tokens of the batch are single-token steps

@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 import kernels
 from engine.config import EngineConfig
-from engine.context import Context, DecodeGroup, set_context
+from engine.context import Context, DecodeGroup, StepInputs, set_context
 from engine.cpu_decode import CpuDecode
 from engine.cpu_linear import few_rows_path
 from engine.cpu_malloc import keep_freed_memory
@@ -122,46 +122,61 @@ class ModelRunner:
                 starts.append(i)
         return list(zip(starts, starts[1:] + [len(tables)], strict=True))
 
-    def _prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context,
-                                                          list[int], list[Sequence]]:
+    def _gather(self, batch: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """The step's inputs as host lists, and the sequences that sample this step."""
         # Single-token steps first, longest context first: they take the batched decode path.
         order = sorted(range(len(batch.seqs)), key=lambda j: (
             batch.num_new_tokens[j] != 1, -batch.seqs[j].num_computed_tokens))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        context_lens: list[int] = []
-        cu_seqlens = [0]
-        logit_rows: list[int] = []
+        step = StepInputs()
         sample_seqs: list[Sequence] = []
         bs = self.block_size
-        num_decode = 0
         for j in order:
             seq, num_new = batch.seqs[j], batch.num_new_tokens[j]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-            tables.append(seq.block_table)
-            context_lens.append(end)
+            step.input_ids += seq.token_ids[start:end]
+            step.positions += range(start, end)
+            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs
+                                  for p in range(start, end)]
+            step.block_tables.append(seq.block_table)
+            step.context_lens.append(end)
             if num_new == 1:
-                num_decode += 1
+                step.num_decode += 1
             else:
-                cu_seqlens.append(cu_seqlens[-1] + num_new)
+                step.cu_seqlens.append(step.cu_seqlens[-1] + num_new)
             if end == len(seq):  # the chunk reaches the end: this step samples its next token
-                logit_rows.append(len(input_ids) - 1)
+                step.logit_rows.append(len(step.input_ids) - 1)
                 sample_seqs.append(seq)
-        ctx = Context(slot_mapping=self._tensor(slots, torch.int64), num_decode_tokens=num_decode)
+        return step, sample_seqs
+
+    def _context(self, step: StepInputs) -> Context:
+        tables, lens, num_decode = step.block_tables, step.context_lens, step.num_decode
+        ctx = Context(slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+                      num_decode_tokens=num_decode)
         ctx.decode_groups = [DecodeGroup(start, end, self._block_tables(tables[start:end]),
-                                         self._tensor(context_lens[start:end], torch.int32))
+                                         self._tensor(lens[start:end], torch.int32))
                              for start, end in self._decode_groups(tables[:num_decode])]
-        if num_decode < len(order):
+        if not step.decode_only:
             ctx.prefill_block_tables = self._block_tables(tables[num_decode:])
-            ctx.prefill_context_lens = self._tensor(context_lens[num_decode:], torch.int32)
-            ctx.prefill_cu_seqlens_q = self._tensor(cu_seqlens, torch.int32)
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
-                logit_rows, sample_seqs)
+            ctx.prefill_context_lens = self._tensor(lens[num_decode:], torch.int32)
+            ctx.prefill_cu_seqlens_q = self._tensor(step.cu_seqlens, torch.int32)
+        return ctx
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The hidden states of every input token: a CUDA graph's replay for the decode steps
+        that fit one (it stages the host lists itself), the CPU's native decode, or the model
+        eagerly."""
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        input_ids = self._tensor(step.input_ids, torch.int64)
+        positions = self._tensor(step.positions, torch.int64)
+        ctx = self._context(step)
+        if self.cpu_decode is not None and self.cpu_decode.can_run(ctx, input_ids.shape[0]):
+            return self.cpu_decode.run(input_ids, positions, ctx)
+        set_context(ctx)
+        try:
+            return self.model(input_ids, positions)
+        finally:
+            set_context(None)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
@@ -170,21 +185,13 @@ class ModelRunner:
         if batch.copies:
             kernels.copy_blocks(list(self.kv_cache.flatten(0, 1)),  # every layer's K and V
                                 self._tensor(batch.copies, torch.int64))
-        input_ids, positions, ctx, logit_rows, sample_seqs = self._prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(ctx, input_ids.shape[0]):
-            hidden = self.graphs.run(input_ids, positions, ctx)
-        elif self.cpu_decode is not None and self.cpu_decode.can_run(ctx, input_ids.shape[0]):
-            hidden = self.cpu_decode.run(input_ids, positions, ctx)
-        else:
-            set_context(ctx)
-            try:
-                hidden = self.model(input_ids, positions)
-            finally:
-                set_context(None)
+        step, sample_seqs = self._gather(batch)
+        hidden = self._forward(step)
         if not sample_seqs:
             return [], hidden.new_empty(0, 0, dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])
-        return sample_seqs, logits.float()
+        if len(step.logit_rows) < hidden.shape[0]:  # else every row, in order (decode steps)
+            hidden = hidden[self._tensor(step.logit_rows, torch.int64)]
+        return sample_seqs, self.model.compute_logits(hidden).float()
 
 
 def fit_kv_blocks(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,

@@ -34,7 +34,7 @@ def test_graphs_match_eager(tiny_llama: Path, make_llm: Callable[..., LLM],
     replays = []
     run = DecodeGraphs.run
     monkeypatch.setattr(DecodeGraphs, "run",
-                        lambda self, *a: replays.append(a[0].shape[0]) or run(self, *a))
+                        lambda self, step: replays.append(len(step.input_ids)) or run(self, step))
     prompts = [[(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(20)]
     params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
