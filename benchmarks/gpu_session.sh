@@ -35,7 +35,7 @@ for s in "$@"; do
     tests-smol) stage tests-smol 240 $PY -m pytest -q -rs -s -p no:cacheprovider \
              tests/test_cuda_parity.py -k smollm2 ;;
     profile) stage profile 300 $PY benchmarks/gpu_profile.py --decode random-1b \
-             --batches "${BATCHES_PROFILE:-1,32,256}" --sweep --out "$OUT/profile.json" ;;
+             --batches "${BATCHES_PROFILE:-1,32,256}" ${PROFILE_ARGS---sweep} --out "$OUT/profile.json" ;;
     kernels) stage kernels 240 $PY benchmarks/gpu_kernels.py --kernels --out "$OUT/kernels.json" ;;
     decode) stage decode 240 $PY benchmarks/gpu_kernels.py --decode random-1b $GRAPHS \
              --out "$OUT/decode.json" ;;

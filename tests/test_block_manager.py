@@ -1,6 +1,8 @@
 """The block manager on its own: ref counts, copy-on-write, chained-hash prefix caching and LRU
 eviction of free cached blocks."""
 
+import random
+
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -120,3 +122,24 @@ def test_a_call_takes_the_least_recently_freed_blocks_in_ascending_order() -> No
     c = _seq(list(range(8)))  # a's first blocks still hold their cached prefix
     assert bm.allocate(c, 8) == 2
     assert c.num_cached_tokens == 6 and c.block_table == [0, 1, 2, 4]
+
+
+def test_held_slots_counts_each_block_once_at_its_fullest() -> None:
+    """Against the per-block walk: shared prefixes, partial and empty tail blocks."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    rng = random.Random(0)
+    seqs = []
+    for i in range(12):
+        seq = Sequence(f"s{i}", list(range(rng.randrange(1, 30))), SamplingParams())
+        if seqs and rng.random() < 0.5:  # shares its first blocks with an earlier one
+            seq.block_table = list(rng.choice(seqs).block_table[:rng.randrange(0, 4)])
+        seq.block_table += [rng.randrange(64) for _ in range(-(-len(seq) // 4) + 1)]
+        seq.num_computed_tokens = rng.randrange(0, len(seq) + 1)
+        seqs.append(seq)
+    held: dict[int, int] = {}
+    for seq in seqs:
+        for i, block in enumerate(seq.block_table):
+            fill = min(4, max(0, seq.num_computed_tokens - 4 * i))
+            held[block] = max(held.get(block, 0), fill)
+    assert bm.held_slots(seqs) == (sum(held.values()), len(held))
+    assert bm.held_slots([]) == (0, 0)
