@@ -6,6 +6,8 @@ input building, graph replay, logits, sampling, appending) by host time, and how
 step the GPU is busy. A step far above its floor with the GPU mostly idle is host-bound; one
 with the GPU busy is kernel-bound.
 
+``--attention-peers``: torch's fused attention kernels on the same fresh prompts.
+
 ``--sweep``: the prefill kernel over launch shapes (``PrefillTiles``) on fresh and chunked
 prompts, each checked against the torch reference, TFLOP/s against the matmul rate.
 
@@ -15,6 +17,7 @@ prompts, each checked against the torch reference, TFLOP/s against the matmul ra
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import statistics
@@ -29,7 +32,7 @@ from common import format_table, log, model_path  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
-from gpu_kernels import DEV, H_Q, D, _pool, bench, ceilings  # noqa: E402
+from gpu_kernels import DEV, H_KV, H_Q, D, _pool, bench, ceilings  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
@@ -164,6 +167,58 @@ def sweep_prefill(rate: float) -> list[dict]:
     return rows
 
 
+def attention_peers(rate: float, seqs: int = 4, length: int = 2048) -> list[dict]:
+    """torch's own fused attention on the prefill case's fresh prompts (dense, causal, GQA), by
+    backend, and ``varlen_attn`` (FlashAttention on packed sequences) where this torch has it:
+    what rate a prefill that reads K and V contiguously, not through block tables, reaches."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(seqs, H_Q, length, D, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(seqs, H_KV, length, D, device=DEV, dtype=torch.bfloat16) for _ in "kv")
+    flops = seqs * 4.0 * length * (length / 2) * H_Q * D
+    calls = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION):
+        def sdpa(b: SDPBackend = backend) -> torch.Tensor:
+            with sdpa_kernel(b):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=True)
+        calls[f"sdpa {backend.name}"] = sdpa
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters  # it changed between releases
+        kq, vq = (k, v) if "enable_gqa" in params else (
+            t.repeat_interleave(H_Q // H_KV, dim=1) for t in (k, v))
+        packed = [t.transpose(1, 2).reshape(seqs * length, -1, D).contiguous()
+                  for t in (q, kq, vq)]
+        cu = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
+        kwargs: dict = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        log(f"varlen_attn{inspect.signature(varlen_attn)}")
+        calls["varlen_attn"] = lambda: varlen_attn(*packed, cu, cu, length, length, **kwargs)
+    except ImportError as exc:
+        log(f"varlen_attn: {exc}")
+    pool_k, pool_v, tables, lens = _pool([length] * seqs)
+    packed_q = q.transpose(1, 2).reshape(seqs * length, H_Q, D).contiguous()
+    cu_q = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
+    calls["pagedq triton prefill (paged)"] = lambda: paged_attention_prefill(
+        packed_q, pool_k, pool_v, cu_q, tables, lens, D**-0.5)
+    rows = []
+    for name, fn in calls.items():
+        try:
+            ms = bench(fn)
+        except Exception as exc:  # a backend this build or shape lacks
+            log(f"{name}: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        rows.append({"attention": name, "ms": ms, "TFLOP/s": flops / ms * 1e-9,
+                     "of_matmul": flops / ms * 1e3 / rate})
+    if rows:
+        print(format_table(list(rows[0]), [list(r.values()) for r in rows]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode", nargs="*", default=[], help="models to profile")
@@ -171,6 +226,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="sweep the prefill launch shapes")
+    p.add_argument("--attention-peers", action="store_true",
+                   help="torch's fused attention on the prefill case, for comparison")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     bw, rate = ceilings()
@@ -181,6 +238,8 @@ def main() -> None:
                         for name in args.decode for b in args.batches.split(",")]
     if args.sweep:
         result["sweep"] = sweep_prefill(rate)
+    if args.attention_peers:
+        result["attention_peers"] = attention_peers(rate)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 
