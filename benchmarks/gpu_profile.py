@@ -200,6 +200,19 @@ def attention_peers(rate: float, seqs: int = 4, length: int = 2048) -> list[dict
         calls["varlen_attn"] = lambda: varlen_attn(*packed, cu, cu, length, length, **kwargs)
     except ImportError as exc:
         log(f"varlen_attn: {exc}")
+    # ragged sequences as torch's jagged nested tensors (the engine packs prompts so), through
+    # the cuDNN backend: whether a varlen prefill can reach the dense rate
+    # (their fused kernels want as many K/V heads as query heads: K and V repeated)
+    offsets = torch.arange(0, seqs + 1, device=DEV) * length  # one object: one ragged dim
+    njt = [torch.nested.nested_tensor_from_jagged(
+        t.repeat_interleave(H_Q // t.shape[1], dim=1).transpose(1, 2).reshape(seqs * length, -1, D),
+        offsets).transpose(1, 2) for t in (q, k, v)]
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        def nested(b: SDPBackend = backend) -> torch.Tensor:
+            with sdpa_kernel(b):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    *njt, is_causal=True)
+        calls[f"sdpa nested {backend.name}"] = nested
     pool_k, pool_v, tables, lens = _pool([length] * seqs)
     packed_q = q.transpose(1, 2).reshape(seqs * length, H_Q, D).contiguous()
     cu_q = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
