@@ -21,10 +21,6 @@ __all__ = ["copy_blocks", "paged_attention_decode", "paged_attention_prefill", "
            "rotary", "silu_and_mul", "store_kvcache"]
 
 
-def _pad(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
 @triton.jit
 def _fp8_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
     """fp32 ``x`` saturated to +-``FMAX`` and rounded to nearest even on the grid of an fp8
@@ -92,7 +88,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         v_scale if fp8 else key, key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        H_PAD=_pad(num_heads), D_PAD=_pad(head_dim), FP8=fp8, MANT=mant, EMIN=emin, FMAX=fmax)
+        H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_dim),
+        FP8=fp8, MANT=mant, EMIN=emin, FMAX=fmax)
 
 
 def _fp8_format(dtype: torch.dtype) -> tuple[int, int, float]:
@@ -128,7 +125,7 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
         assert cache.dtype == first.dtype and cache.stride() == first.stride()
         assert cache[0].is_contiguous() and cache.shape == first.shape
     table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
-    chunk = min(1024, _pad(block_numel))
+    chunk = min(1024, triton.next_power_of_2(block_numel))
     _copy_kernel[(block_mapping.shape[0], len(caches), triton.cdiv(block_numel, chunk))](
         table, block_mapping.to(torch.int64).contiguous(), first, first.stride(0), block_numel,
         CHUNK=chunk)

@@ -9,10 +9,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
-def _pad(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_in_ptr, w_ptr, out_ptr, res_out_ptr, eps, s_x, s_ri, s_o, s_ro,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
@@ -45,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res_in, res_out = residual.reshape(-1, hidden), new_res.view(-1, hidden)
     assert rows.stride(-1) == 1 and res_in.stride(-1) == 1 and weight.is_contiguous()
     out_rows = out.view(-1, hidden)
-    block = _pad(hidden)
+    block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, res_in, weight, out_rows, res_out, eps, rows.stride(0), res_in.stride(0),
         out_rows.stride(0), res_out.stride(0), N=hidden, BLOCK=block,
@@ -107,7 +103,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         q, k, q_out, k_out, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos.stride(0), sin.stride(0), NUM_Q=num_q, NUM_K=num_k, HALF=half,
-        H_PAD=_pad(max(num_q, num_k)), HALF_PAD=_pad(half),
+        H_PAD=triton.next_power_of_2(max(num_q, num_k)),
+        HALF_PAD=triton.next_power_of_2(half),
         enable_fp_fusion=False)  # an fma would round once where the reference rounds twice
     return q_out, k_out
 
@@ -139,7 +136,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 2 * width)
     assert rows.stride(-1) == 1
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
-    block = min(1024, _pad(width))
+    block = min(1024, triton.next_power_of_2(width))
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
         rows, out, rows.stride(0), width, N=width, BLOCK=block, LIBDEVICE=x.is_cuda)
     return out
