@@ -53,7 +53,9 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)  # the captures' warm-up forwards write no KV
         self.context_lens.fill_(1)
         self.staged_longs = torch.zeros_like(self.longs, device="cpu").pin_memory()
-        self.staged_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
+        staged_ints = torch.zeros_like(self.ints, device="cpu").pin_memory()
+        self.staged_lens = staged_ints[:n]
+        self.staged_tables = staged_ints[n:].view(n, max_blocks_per_seq)
         self.copied = torch.cuda.Event()  # the last staging's copies: none may be overwritten
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -94,19 +96,15 @@ class DecodeGraphs:
         batch = padded_size(n, self.sizes)
         assert batch is not None and self.can_run(step)
         self.copied.synchronize()  # the previous step's copies have left the staging
-        longs, ints = self.staged_longs.numpy(), self.staged_ints.numpy()
+        longs, lens = self.staged_longs.numpy(), self.staged_lens.numpy()
         longs[0, :n], longs[1, :n], longs[2, :n] = step.input_ids, step.positions, step.slot_mapping
         longs[2, n:batch] = -1  # padding rows write no KV and attend to slot 0 of their row
-        ints[:n], ints[n:batch] = step.context_lens, 1
-        size = self.sizes[-1]
-        width = self.block_tables.shape[1]
-        tables = ints[size:size + batch * width].reshape(batch, width)
-        for row, table in zip(tables, step.block_tables, strict=False):
+        lens[:n], lens[n:batch] = step.context_lens, 1
+        for row, table in zip(self.staged_tables.numpy(), step.block_tables, strict=False):
             row[:len(table)] = table
         self.longs.copy_(self.staged_longs, non_blocking=True)  # whole: a strided slice is not
-        self.context_lens[:batch].copy_(self.staged_ints[:batch], non_blocking=True)
-        self.block_tables[:batch].copy_(self.staged_ints[size:size + batch * width].view(
-            batch, width), non_blocking=True)
+        self.context_lens[:batch].copy_(self.staged_lens[:batch], non_blocking=True)
+        self.block_tables[:batch].copy_(self.staged_tables[:batch], non_blocking=True)
         self.copied.record()
         self.graphs[batch].replay()
         return self.hidden[:n]
