@@ -224,11 +224,14 @@ class LLMEngine:
 
     def kv_utilization(self) -> float:
         """Slots holding KV over slots in allocated blocks."""
-        held, blocks = self.block_manager.held_slots(self.scheduler.running)
+        return self._utilization(*self.block_manager.held_slots(self.scheduler.running))
+
+    def _utilization(self, held: int, blocks: int) -> float:
         return held / (blocks * self.config.block_size) if blocks else 0.0
 
     def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
+        held, blocks = bm.held_slots(self.scheduler.running)
         return {
             "quantization": self.quantization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
@@ -236,9 +239,9 @@ class LLMEngine:
             "kv_blocks_total": len(bm.blocks),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_peak": self.kv_blocks_peak,
-            "kv_utilization": self.kv_utilization(),
+            "kv_utilization": self._utilization(held, blocks),
             "kv_utilization_at_peak": self.kv_utilization_at_peak,
-            "tokens_in_cache": self.block_manager.held_slots(self.scheduler.running)[0],
+            "tokens_in_cache": held,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "preemptions": self.scheduler.num_preemptions,
