@@ -50,7 +50,7 @@ def ceilings() -> tuple[float, float]:
     return bw, rate
 
 
-def _pool(ctx_lens: list[int]) -> tuple[torch.Tensor, ...]:
+def paged_pool(ctx_lens: list[int]) -> tuple[torch.Tensor, ...]:
     """Random k/v pools holding each context in shuffled blocks, the tables and lengths."""
     counts = [-(-c // BS) for c in ctx_lens]
     num_blocks = sum(counts) + 1
@@ -71,7 +71,7 @@ def kernel_cases() -> list[tuple[str, Callable, Callable, int, float, Callable]]
     item = 2  # bf16
     scales = {"k_scale": torch.tensor(0.02, device=DEV), "v_scale": torch.tensor(0.01, device=DEV)}
     for batch, ctx in [(1, 4096), (32, 1024), (32, 4096), (256, 1024)]:
-        k, v, tables, lens = _pool([ctx] * batch)
+        k, v, tables, lens = paged_pool([ctx] * batch)
         q = torch.randn(batch, H_Q, D, device=DEV, dtype=BF16)
         args = (q, k, v, tables, lens, D**-0.5)
         nbytes = batch * ctx * H_KV * D * 2 * item + 2 * q.nbytes
@@ -89,7 +89,7 @@ def kernel_cases() -> list[tuple[str, Callable, Callable, int, float, Callable]]
                       nbytes - batch * ctx * H_KV * D * 2, 4.0 * batch * ctx * H_Q * D,
                       _close(5e-2)))
     for seqs in [[(2048, 2048)] * 4, [(512, 2048)] * 4]:  # (new, context): fresh, chunked
-        k, v, tables, lens = _pool([c for _, c in seqs])
+        k, v, tables, lens = paged_pool([c for _, c in seqs])
         cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEV, torch.int32)
         q = torch.randn(int(cu[-1]), H_Q, D, device=DEV, dtype=BF16)
         args = (q, k, v, cu, tables, lens, D**-0.5)

@@ -32,7 +32,7 @@ from common import format_table, log, model_path  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
-from gpu_kernels import DEV, H_KV, H_Q, D, _pool, bench, ceilings  # noqa: E402
+from gpu_kernels import DEV, H_KV, H_Q, D, bench, ceilings, paged_pool  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
@@ -144,7 +144,7 @@ def sweep_prefill(rate: float) -> list[dict]:
     shapes = [PrefillTiles(m, n, w, s) for m, n, w, s in itertools.product(
         (64, 128), (32, 64, 128), (4, 8), (2, 3)) if not (m == 64 and w == 8)]
     for seqs in [[(2048, 2048)] * 4, [(512, 2048)] * 4]:
-        k, v, tables, lens = _pool([c for _, c in seqs])
+        k, v, tables, lens = paged_pool([c for _, c in seqs])
         cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEV, torch.int32)
         q = torch.randn(int(cu[-1]), H_Q, D, device=DEV, dtype=torch.bfloat16)
         args = (q, k, v, cu, tables, lens, D**-0.5)
@@ -213,7 +213,7 @@ def attention_peers(rate: float, seqs: int = 4, length: int = 2048) -> list[dict
                 return torch.nn.functional.scaled_dot_product_attention(
                     *njt, is_causal=True)
         calls[f"sdpa nested {backend.name}"] = nested
-    pool_k, pool_v, tables, lens = _pool([length] * seqs)
+    pool_k, pool_v, tables, lens = paged_pool([length] * seqs)
     packed_q = q.transpose(1, 2).reshape(seqs * length, H_Q, D).contiguous()
     cu_q = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
     calls["pagedq triton prefill (paged)"] = lambda: paged_attention_prefill(
