@@ -42,10 +42,11 @@ TCMALLOC = Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 def make_spec(model: Path, calls: list[list[dict[str, Any]]], *, threads: int,
               block_size: int, vllm_block_size: int, prefix_caching: bool,
               max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-              max_model_len: int = 2048) -> dict[str, Any]:
+              max_model_len: int = 2048, dtype: str = "float32") -> dict[str, Any]:
     """``calls``: per call, its requests, dicts of prompt (token ids), n, temperature, seed,
-    max_tokens."""
-    return {"model": str(model), "calls": calls, "threads": threads,
+    max_tokens. ``dtype``: every system's weights and activations (float32, the parity mode,
+    or bfloat16)."""
+    return {"model": str(model), "calls": calls, "threads": threads, "dtype": dtype,
             "block_size": block_size, "vllm_block_size": vllm_block_size,
             "prefix_caching": prefix_caching, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len}

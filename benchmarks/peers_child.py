@@ -40,7 +40,7 @@ def run_pagedq(spec: dict[str, Any]) -> dict[str, Any]:
     """pagedq's ``LLM.generate`` on every request of a call at once, call after call."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(spec["model"], dtype="float32", device="cpu",
+    llm = LLM(spec["model"], dtype=spec["dtype"], device="cpu",
               enable_prefix_caching=spec["prefix_caching"], block_size=spec["block_size"],
               max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"])
@@ -68,7 +68,7 @@ def run_hf(system: str, spec: dict[str, Any]) -> dict[str, Any]:
     if any(r["n"] != 1 or r["temperature"] != 0 for call in spec["calls"] for r in call):
         raise ValueError(f"{system}: the transformers peers run greedy n=1 requests only")
     model = hf_runs.load_hf(Path(spec["model"]), argparse.Namespace(device="cpu",
-                                                                    dtype="float32"))
+                                                                    dtype=spec["dtype"]))
     kind, _, size = system.partition(" ")
     calls = []
     for requests in spec["calls"]:

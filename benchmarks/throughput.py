@@ -173,9 +173,9 @@ def bench_peers(name: str, path: Path, wl: Workload, args: argparse.Namespace,
                            threads=threads, block_size=args.block_size or 16,
                            vllm_block_size=args.vllm_block_size, prefix_caching=True,
                            max_num_seqs=PAGEDQ_MAX_NUM_SEQS,
-                           max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS)
+                           max_num_batched_tokens=PAGEDQ_MAX_BATCHED_TOKENS, dtype=args.dtype)
     peers.compare(f"throughput: model={name}, {len(wl.prompts)} requests, {wl.prompt_tokens} "
-                  f"prompt + {wl.output_tokens} output tokens, cpu float32", systems, spec,
+                  f"prompt + {wl.output_tokens} output tokens, cpu {args.dtype}", systems, spec,
                   args.rounds, f"throughput-peers-{name}", vars(args))
 
 

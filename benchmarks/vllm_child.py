@@ -32,7 +32,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     torch.set_num_threads(spec["threads"])
     started = time.perf_counter()
-    llm = LLM(spec["model"], dtype="float32", block_size=spec["vllm_block_size"],
+    llm = LLM(spec["model"], dtype=spec["dtype"], block_size=spec["vllm_block_size"],
               max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"],
               enable_prefix_caching=spec["prefix_caching"], seed=0,

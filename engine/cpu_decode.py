@@ -7,10 +7,11 @@ calls a step, each slow on caches the weights had just flushed. The native step 
 C functions those calls reach, so a row's bits do not depend on which path ran it (the tests
 check each row against the modules' batch), and the modules keep every other step.
 
-It binds where every piece has its C form: a float32 Llama-family model on the ``"cpu"``
-kernel backend with the C attention body, every linear layer packed for ``cpu_gemv``, and a
-float32 KV pool. Elsewhere (fp8 caches, quantized weights, numba-only machines,
-``PAGEDQ_NATIVE_KERNELS=0``) ``bind`` returns None and the modules run every step.
+It binds where every piece has its C form: a Llama-family model with float32 activations on
+the ``"cpu"`` kernel backend with the C attention body, every linear layer packed for
+``cpu_gemv``, and a KV pool of its panels' type (float32, or bfloat16 for both). Elsewhere
+(fp8 caches, quantized weights, numba-only machines, ``PAGEDQ_NATIVE_KERNELS=0``) ``bind``
+returns None and the modules run every step.
 """
 
 import torch
@@ -67,7 +68,7 @@ class CpuDecode:
         tensors = []
         for layer in layers:
             a = layer.self_attn
-            if a.attn.k_cache.dtype != torch.float32 or a.attn.k_shift is not None:
+            if a.attn.k_cache.dtype != a.qkv_proj.panels.dtype or a.attn.k_shift is not None:
                 return None
             tensors.append({
                 "input_norm": layer.input_layernorm.weight.detach(),

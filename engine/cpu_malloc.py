@@ -65,19 +65,21 @@ def empty_in_huge_pages(numel: int, dtype: torch.dtype = torch.float32) -> torch
 
 
 class HugePageArena:
-    """``floats`` float32s in huge pages (``empty_in_huge_pages``); ``take`` copies a tensor
-    into its next free part. Pages are only made resident where written, so room never taken
-    costs nothing."""
+    """``count`` elements of ``dtype`` in huge pages (``empty_in_huge_pages``); ``take`` copies
+    a tensor into its next free part. Pages are only made resident where written, so room
+    never taken costs nothing."""
 
-    def __init__(self, floats: int) -> None:
-        self.arena = empty_in_huge_pages(floats)
+    def __init__(self, count: int, dtype: torch.dtype = torch.float32) -> None:
+        self.arena = empty_in_huge_pages(count, dtype)
         self.offset = 0
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` (float32) in the arena's next part."""
+        """A copy of ``tensor`` (of the arena's dtype) in the arena's next part."""
         size = tensor.numel()
+        if tensor.dtype != self.arena.dtype:
+            raise ValueError(f"a {tensor.dtype} tensor for a {self.arena.dtype} arena")
         if self.offset + size > self.arena.numel():
-            raise ValueError(f"the arena has no room for {size} more floats")
+            raise ValueError(f"the arena has no room for {size} more elements")
         copy = self.arena[self.offset:self.offset + size].view(tensor.shape).copy_(tensor)
         self.offset += size
         return copy

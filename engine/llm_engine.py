@@ -70,6 +70,7 @@ class LLMEngine:
         self.kv_blocks_peak, self.kv_utilization_at_peak = 0, 0.0
         self.tokens_generated = 0
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
+                 activations=str(self.model_runner.model.model.embed_tokens.weight.dtype),
                  quantization=self.quantization, kv_blocks=num_blocks,
                  block_size=config.block_size, max_model_len=self.max_model_len,
                  **({"cpu_attention": self.model_runner.attention_body}

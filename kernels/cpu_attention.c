@@ -10,7 +10,8 @@
  * in chunk order by pagedq_attend_combine. The chunks are fixed by position, not by the
  * threads, so that one long sequence's chunks run on every core with the same bits.
  *
- * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. */
+ * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. The
+ * pools hold float32, or bfloat16 in cpu_bf16.c's build (kv_t, widened as they load). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,8 +24,8 @@
  * with 8 keys ahead, 186 with 32 (Xeon, 2 cores) */
 #define PREFETCH 8
 
-static inline void prefetch_row(const float *k, const float *v, int64_t head_dim) {
-    for (int64_t d = 0; d < head_dim; d += 16) {
+static inline void prefetch_row(const kv_t *k, const kv_t *v, int64_t head_dim) {
+    for (int64_t d = 0; d < head_dim; d += 64 / (int64_t)sizeof(kv_t)) {
         _mm_prefetch((const char *)(k + d), _MM_HINT_T0);
         _mm_prefetch((const char *)(v + d), _MM_HINT_T0);
     }
@@ -34,7 +35,7 @@ static inline void prefetch_row(const float *k, const float *v, int64_t head_dim
  * key, 8 lanes over head_dim, an FMA chain in d's order, then sum8. Every key row is loaded
  * once for the G heads. */
 static inline __attribute__((always_inline)) void score_tile(
-        const float *qs, const float *const *rows, int64_t head_dim, const int G, int64_t g0,
+        const float *qs, const kv_t *const *rows, int64_t head_dim, const int G, int64_t g0,
         float *scores, int64_t padded, int64_t t0) {
     __m256 a[QGROUP][8];
     for (int g = 0; g < G; g++)
@@ -43,7 +44,7 @@ static inline __attribute__((always_inline)) void score_tile(
         __m256 qv[QGROUP];
         for (int g = 0; g < G; g++) qv[g] = _mm256_load_ps(qs + (g0 + g) * head_dim + d);
         for (int k = 0; k < 8; k++) {
-            const __m256 kv = _mm256_loadu_ps(rows[k] + d);
+            const __m256 kv = load8_kv(rows[k] + d);
             for (int g = 0; g < G; g++) a[g][k] = _mm256_fmadd_ps(qv[g], kv, a[g][k]);
         }
     }
@@ -72,8 +73,8 @@ static inline float max_of(const float *x, int64_t n) {
  * every query from L1, where one query at a time had read a prefill's keys again per token
  * (random-26m's 128 prompts: 98 GB a run from L2 and L3). Returns 0, or -1 where scratch
  * memory could not be had (m, s and acc are then undefined). */
-int pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
-                         const float *restrict k_cache, const float *restrict v_cache,
+int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
+                         const kv_t *restrict k_cache, const kv_t *restrict v_cache,
                          const int32_t *restrict table, int64_t t_begin,
                          const int64_t *restrict t_end, float scale, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -113,7 +114,7 @@ int pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
                     prefetch_row(k_cache + offsets[t0 + PREFETCH + k] + h * head_dim,
                                  v_cache + offsets[t0 + PREFETCH + k] + h * head_dim, head_dim);
         for (int64_t h = kv_begin; h < kv_end; h++) {
-            const float *rows[8];
+            const kv_t *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
             for (int64_t i = 0; i < nq; i++) {
                 if (t0 >= t_end[i] - t_begin) continue;
@@ -161,7 +162,7 @@ int pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
         for (int64_t h = kv_begin; h < kv_end; h++)
             for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                 const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
-                const float *vh = v_cache + h * head_dim;
+                const kv_t *vh = v_cache + h * head_dim;
                 if (G == 3) value_pass(si, stride, vh, offsets, length, 3, g, ai, head_dim);
                 else if (G == 2) value_pass(si, stride, vh, offsets, length, 2, g, ai, head_dim);
                 else value_pass(si, stride, vh, offsets, length, 1, g, ai, head_dim);
@@ -176,7 +177,7 @@ int pagedq_attend_parts(const float *restrict q, int64_t ldq, int64_t nq,
 /* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_parts, chunk
  * c's at m + c * num_heads, s + c * num_heads, acc + c * num_heads * head_dim: each rescaled
  * by exp(its max - the highest), summed in chunk order, divided by the summed s. */
-void pagedq_attend_combine(const float *m, const float *s, const float *acc, int64_t chunks,
+void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc, int64_t chunks,
                            int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
                            float *out) {
     for (int64_t g = g_begin; g < g_end; g++) {

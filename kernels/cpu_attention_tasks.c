@@ -1,6 +1,7 @@
 /* The CPU paged attention's parallel loops, on torch's OpenMP threads (compiled with
  * kernels/cpu_attention.c, whose per-token body they run): a decode step's rows in chunks of
- * keys, and a prefill's tokens in tiles that share key loads. */
+ * keys, and a prefill's tokens in tiles that share key loads. Over float32 pools, or bfloat16
+ * ones in cpu_bf16.c's build. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -12,8 +13,8 @@
  * heads at 8.8 GB/s, of 1 head at 4.4, a Xeon), or per KV head too where the chunks are too
  * few for the threads, so that one long sequence uses every core; then each row's chunks
  * combined in order. Returns 0, or -1 where scratch memory could not be had. */
-int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
-                            const float *v_cache, const int32_t *tables, int64_t table_stride,
+int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const kv_t *k_cache,
+                            const kv_t *v_cache, const int32_t *tables, int64_t table_stride,
                             const int32_t *context_lens, int64_t rows, float scale, float *out,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t threads) {
@@ -47,7 +48,7 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
         const int64_t h = (task - first_task[r]) % split * (num_kv_heads / split);
         const int64_t part = first_chunk[r] + c, end = (c + 1) * CHUNK;
         const int64_t t_end = end < context_lens[r] ? end : context_lens[r];
-        if (pagedq_attend_parts(q + r * ldq, 0, 1, k_cache, v_cache, tables + r * table_stride,
+        if (NAME(pagedq_attend_parts)(q + r * ldq, 0, 1, k_cache, v_cache, tables + r * table_stride,
                                 c * CHUNK, &t_end, scale, num_heads, num_kv_heads, head_dim,
                                 block_size, h, h + num_kv_heads / split,
                                 part_m + part * num_heads, part_s + part * num_heads,
@@ -61,7 +62,7 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
     for (int64_t task = 0; task < combines; task++) {
         const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t part = first_chunk[r];
-        pagedq_attend_combine(part_m + part * num_heads, part_s + part * num_heads,
+        NAME(pagedq_attend_combine)(part_m + part * num_heads, part_s + part * num_heads,
                               part_acc + part * q_size, first_chunk[r + 1] - part, num_heads,
                               head_dim, h * group, (h + 1) * group, out + r * ldq);
     }
@@ -78,7 +79,7 @@ int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
  * pagedq_decode_attention gives each token alone. The tiles run on `threads` threads, largest
  * first as the caller orders them. Returns 0, or -1 where scratch memory could not be had (out
  * is then undefined). */
-int pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
+int NAME(pagedq_prefill)(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                     const int32_t *tables, int64_t table_stride, const int64_t *tiles,
                     int64_t ntiles, float scale, float *out, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -101,7 +102,7 @@ int pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
             const int64_t first = c * CHUNK - pos0 > 0 ? c * CHUNK - pos0 : 0;
             for (int64_t j = first; j < nq; j++)
                 t_end[j] = pos0 + j + 1 < (c + 1) * CHUNK ? pos0 + j + 1 : (c + 1) * CHUNK;
-            ok = pagedq_attend_parts(q + (row0 + first) * qsize, qsize, nq - first, k_cache,
+            ok = NAME(pagedq_attend_parts)(q + (row0 + first) * qsize, qsize, nq - first, k_cache,
                                      v_cache, table, c * CHUNK, t_end + first, scale,
                                      num_heads, num_kv_heads, head_dim, block_size, 0,
                                      num_kv_heads, m + first * ld_m + c * num_heads,
@@ -114,7 +115,7 @@ int pagedq_prefill(const float *q, const float *k_cache, const float *v_cache,
             failed = 1;
         }
         for (int64_t j = 0; ok && j < nq; j++)
-            pagedq_attend_combine(m + j * ld_m, s + j * ld_m, acc + j * ld_m * head_dim,
+            NAME(pagedq_attend_combine)(m + j * ld_m, s + j * ld_m, acc + j * ld_m * head_dim,
                                   (pos0 + j + 1 + CHUNK - 1) / CHUNK, num_heads, head_dim, 0,
                                   num_heads, out + (row0 + j) * qsize);
         free(m);

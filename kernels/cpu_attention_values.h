@@ -5,6 +5,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
 /* Query heads one load of a key's (or value's) row feeds: the sub-group's accumulators (8
  * keys by QGROUP heads) need AVX-512's 32 vector registers; AVX2's 16 hold one head's. */
 #ifdef __AVX512F__
@@ -19,7 +21,7 @@
 #define VW 16
 typedef __m512 vsum;
 #define VZERO _mm512_setzero_ps
-#define VLOAD _mm512_loadu_ps
+#define VLOAD_KV load16_kv
 #define VSTORE _mm512_storeu_ps
 #define VFMA _mm512_fmadd_ps
 #define VSET1 _mm512_set1_ps
@@ -27,7 +29,7 @@ typedef __m512 vsum;
 #define VW 8
 typedef __m256 vsum;
 #define VZERO _mm256_setzero_ps
-#define VLOAD _mm256_loadu_ps
+#define VLOAD_KV load8_kv
 #define VSTORE _mm256_storeu_ps
 #define VFMA _mm256_fmadd_ps
 #define VSET1 _mm256_set1_ps
@@ -41,16 +43,16 @@ typedef __m256 vsum;
  * interleave, where a tile's store and reload had put each chain's latency in the way (half
  * the attention's time in perf, SmolLM2's shapes). */
 static inline __attribute__((always_inline)) void value_slab(
-        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
+        const float *scores, int64_t stride, const kv_t *v, const int64_t *offsets,
         int64_t length, const int G, const int S, int64_t g0, float *sums, int64_t head_dim,
         int64_t d0) {
     vsum x[QGROUP][SLAB];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < S; j++) x[g][j] = VZERO();
     for (int64_t t = 0; t < length; t++) {
-        const float *row = v + offsets[t] + d0;
+        const kv_t *row = v + offsets[t] + d0;
         vsum vv[SLAB];
-        for (int j = 0; j < S; j++) vv[j] = VLOAD(row + j * VW);
+        for (int j = 0; j < S; j++) vv[j] = VLOAD_KV(row + j * VW);
         for (int g = 0; g < G; g++) {
             const vsum p = VSET1(scores[(g0 + g) * stride + t]);
             for (int j = 0; j < S; j++) x[g][j] = VFMA(p, vv[j], x[g][j]);
@@ -63,12 +65,12 @@ static inline __attribute__((always_inline)) void value_slab(
 #ifdef __AVX512F__
 /* value_slab for the last 8 lanes of a head_dim that 16 does not divide */
 static inline __attribute__((always_inline)) void value_tail8(
-        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
+        const float *scores, int64_t stride, const kv_t *v, const int64_t *offsets,
         int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim, int64_t d0) {
     __m256 x[QGROUP];
     for (int g = 0; g < G; g++) x[g] = _mm256_setzero_ps();
     for (int64_t t = 0; t < length; t++) {
-        const __m256 vv = _mm256_loadu_ps(v + offsets[t] + d0);
+        const __m256 vv = load8_kv(v + offsets[t] + d0);
         for (int g = 0; g < G; g++)
             x[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(g0 + g) * stride + t]), vv, x[g]);
     }
@@ -78,7 +80,7 @@ static inline __attribute__((always_inline)) void value_tail8(
 
 /* Every value slab of the G query heads from g0 (KV head h's values at v). */
 static inline __attribute__((always_inline)) void value_pass(
-        const float *scores, int64_t stride, const float *v, const int64_t *offsets,
+        const float *scores, int64_t stride, const kv_t *v, const int64_t *offsets,
         int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim) {
     int64_t d0 = 0;
     for (; d0 + SLAB * VW <= head_dim; d0 += SLAB * VW)

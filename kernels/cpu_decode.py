@@ -17,6 +17,7 @@ DIMS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "bl
 TENSORS = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down",
            "k_cache", "v_cache")
 OPTIONAL = {"qkv_bias"}
+STORED = {"qkv", "o_proj", "gate_up", "down", "k_cache", "v_cache"}  # float32 or bfloat16
 
 
 def available() -> bool:
@@ -26,31 +27,38 @@ def available() -> bool:
 class DecodeStep:
     """The bound step. ``dims`` by the names of ``DIMS``; ``layers`` one dict per layer by the
     names of ``TENSORS``: the norms' weights, the products' ``cpu_gemv`` panels, the layer's K
-    and V pools ``[blocks, block_size, kv_heads, head_dim]``, all float32, contiguous, held
-    here for as long as the step lives. ``cos`` and ``sin``: the rotary tables
+    and V pools ``[blocks, block_size, kv_heads, head_dim]``, contiguous, held here for as
+    long as the step lives; the panels and pools (``STORED``) all float32 or all bfloat16
+    (``cpu_bf16.c``'s build), the rest float32. ``cos`` and ``sin``: the rotary tables
     ``[positions, head_dim]``."""
 
     def __init__(self, dims: dict[str, int], layers: list[dict[str, torch.Tensor | None]],
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                  scale: float) -> None:
-        self._function = cpu_native.required("pagedq_decode")
+        qkv = layers[0].get("qkv") if layers else None
+        stored = torch.float32 if qkv is None else qkv.dtype
+        function = cpu_native.typed("pagedq_decode", stored)
+        if function is None:
+            raise ValueError(f"no C decode step for {stored} weights on this machine")
+        self._function = function
         if len(layers) != dims["layers"]:
             raise ValueError(f"{len(layers)} layers given for dims['layers']={dims['layers']}")
-        tensors = [final_norm, cos, sin]
+        tensors = [(final_norm, torch.float32), (cos, torch.float32), (sin, torch.float32)]
         pointers = []
         for i, layer in enumerate(layers):
             for name in TENSORS:
                 tensor = layer.get(name)
                 if tensor is None and name not in OPTIONAL:
                     raise ValueError(f"layer {i} lacks {name}")
-                tensors += [] if tensor is None else [tensor]
+                tensors += [] if tensor is None else [
+                    (tensor, stored if name in STORED else torch.float32)]
                 pointers.append(0 if tensor is None else tensor.data_ptr())
-        for tensor in tensors:
-            if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or (
+        for tensor, dtype in tensors:
+            if tensor.dtype != dtype or tensor.device.type != "cpu" or (
                     not tensor.is_contiguous()):
-                raise ValueError("the decode step takes contiguous float32 CPU tensors, got "
-                                 f"{tensor.dtype} on {tensor.device} {tuple(tensor.shape)}")
-        self._tensors = tensors  # the pointers below stay valid while these live
+                raise ValueError(f"the decode step takes contiguous {dtype} CPU tensors here, "
+                                 f"got {tensor.dtype} on {tensor.device} {tuple(tensor.shape)}")
+        self._tensors = [tensor for tensor, _ in tensors]  # the pointers stay valid while held
         self._dims = torch.tensor([dims[name] for name in DIMS], dtype=torch.int64)
         self._layers = torch.tensor(pointers, dtype=torch.int64)
         self._final_norm, self._cos, self._sin = final_norm, cos, sin

@@ -15,14 +15,25 @@
  * past them, measured on an AMD EPYC and a Xeon); so a row gets the same bits here as in any
  * batch.
  *
- * Weights are panels of 16 outputs, input-major: w[panel][k][16], outputs padded to 16. */
+ * Weights are panels of 16 outputs, input-major: w[panel][k][16], outputs padded to 16; float32,
+ * or bfloat16 in cpu_bf16.c's build (widened as they load: the same sums of the same values).
+ * No probe pairs that build with oneDNN, whose bfloat16 products round the inputs too. */
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "cpu_kernels.h"
 
 #ifdef __AVX512F__
 typedef __m512 vec16;
 static inline vec16 zero16(void) { return _mm512_setzero_ps(); }
 static inline vec16 load16(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec16 load16_w(const weight_t *p) {
+#ifdef PAGEDQ_BF16
+    return widen16(p);
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
 static inline vec16 fma16(float a, vec16 b, vec16 c) {
     return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c);
 }
@@ -35,6 +46,13 @@ typedef struct { __m256 lo, hi; } vec16;
 static inline vec16 zero16(void) { return (vec16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline vec16 load16(const float *p) {
     return (vec16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
+static inline vec16 load16_w(const weight_t *p) {
+#ifdef PAGEDQ_BF16
+    return (vec16){widen8(p), widen8(p + 8)};
+#else
+    return load16(p);
+#endif
 }
 static inline vec16 fma16(float a, vec16 b, vec16 c) {
     const __m256 s = _mm256_set1_ps(a);
@@ -67,7 +85,7 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
  * the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and pf2_lines (see
  * pagedq_gemv). */
 static inline __attribute__((always_inline)) void tile(
-        const float *x, int64_t ldx, const int rows, const int panels, const float *w,
+        const float *x, int64_t ldx, const int rows, const int panels, const weight_t *w,
         const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
         const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
         int64_t pf2_lines) {
@@ -80,7 +98,7 @@ static inline __attribute__((always_inline)) void tile(
             vec16 wv[PANELS];
             if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
             if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
-            for (int j = 0; j < panels; j++) wv[j] = load16(w + j * k * 16 + i * 16);
+            for (int j = 0; j < panels; j++) wv[j] = load16_w(w + j * k * 16 + i * 16);
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < panels; j++)
                     part[r][j] = fma16(x[r * ldx + i], wv[j], part[r][j]);
@@ -99,8 +117,8 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS), as constants. */
-static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels, const float *w,
-                     const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
+static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels,
+                     const weight_t *w, const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
                      const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
                      int64_t pf2_lines) {
 #define TILE_CASE(R)                                                                        \
@@ -130,8 +148,9 @@ static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels, 
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each
  * group's rows in tiles of TILE (its weights read again per tile, from the cache). */
-void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, const float *bias,
-                 float *y, int64_t ldy, int64_t n, int64_t k, int64_t block, int64_t threads) {
+void NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
+                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                       int64_t block, int64_t threads) {
     const int64_t panels = (n + 15) / 16, groups = (panels + PANELS - 1) / PANELS;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -148,7 +167,8 @@ void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, cons
          * which computes too little to wait on the memory, gained nothing and is left out) */
         const char *next = (const char *)(w + (p0 + PANELS) * k * 16);
         const int64_t next_panels = panels - p0 - np < PANELS ? panels - p0 - np : PANELS;
-        const int64_t lines = g + 1 < groups && rows > 1 ? next_panels * k : 0;
+        const int64_t lines = g + 1 < groups && rows > 1
+                                  ? next_panels * k * (int64_t)sizeof(weight_t) / 4 : 0;
         const int64_t tiles = (rows + TILE - 1) / TILE;
         for (int64_t t = 0; t < tiles; t++) {
             /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */

@@ -4,7 +4,8 @@ of one panel on AVX2), on torch's threads.
 
 The C function sums in one fixed order, K in blocks of ``block`` inputs (see the source); the
 engine uses it only where that order is oneDNN's many-row one (``engine.cpu_linear`` probes
-for the block at load), so a row's bits stay the same in any batch.
+for the block at load), so a row's bits stay the same in any batch. Panels of bfloat16
+weights take the bfloat16 build (``cpu_bf16.c``): the same sums of the widened weights.
 """
 
 import torch
@@ -29,9 +30,11 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
          out_features: int, block: int) -> torch.Tensor:
-    """``x`` [rows, in] (unit stride along in) times the packed weights,
-    plus ``bias``: [rows, out_features], float32 on the CPU."""
-    function = cpu_native.required("pagedq_gemv")
+    """``x`` [rows, in] (float32, unit stride along in) times the packed weights (float32 or
+    bfloat16), plus ``bias`` (float32): [rows, out_features], float32 on the CPU."""
+    function = cpu_native.typed("pagedq_gemv", panels.dtype)
+    if function is None:
+        raise RuntimeError(f"gemv: no C build for {panels.dtype} weights on this machine")
     rows, in_features = x.shape
     if rows == 0 or x.stride(1) != 1 or panels.shape[1] != in_features:
         raise ValueError(f"gemv takes rows of {panels.shape[1]} inputs with unit "

@@ -6,22 +6,69 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* The element types of the weights (cpu_gemv.c's panels) and of the KV pools: float32, or
+ * bfloat16 where cpu_bf16.c compiles the same sources again with PAGEDQ_BF16 defined (NAME()
+ * gives that build's functions their _bf16 names). A bfloat16 is a float's upper 16 bits, so
+ * the loads below widen it exactly and every sum runs in float32 as in the float32 build: the
+ * bfloat16 build halves the bytes the memory-bound products and attention read, and computes
+ * nothing differently (llama.cpp's F16 shape: 16-bit weights and cache, float32 activations). */
+#ifdef PAGEDQ_BF16
+typedef uint16_t weight_t;
+typedef uint16_t kv_t;
+#define NAME(f) f##_bf16
+#else
+typedef float weight_t;
+typedef float kv_t;
+#define NAME(f) f
+#endif
+
+/* 8 (16) bfloat16s widened to floats */
+static inline __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#ifdef __AVX512F__
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* 8 (16) of a KV pool's elements as floats */
+static inline __m256 load8_kv(const kv_t *p) {
+#ifdef PAGEDQ_BF16
+    return widen8(p);
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+#ifdef __AVX512F__
+static inline __m512 load16_kv(const kv_t *p) {
+#ifdef PAGEDQ_BF16
+    return widen16(p);
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
+#endif
+
 /* a token's attention is computed in chunks of this many key positions (cpu_attention.c) */
 #define CHUNK 256
 
-void pagedq_gemv(const float *x, int64_t ldx, int64_t rows, const float *w, const float *bias,
-                 float *y, int64_t ldy, int64_t n, int64_t k, int64_t block, int64_t threads);
-int pagedq_attend_parts(const float *q, int64_t ldq, int64_t nq, const float *k_cache,
-                        const float *v_cache, const int32_t *table, int64_t t_begin,
+void NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
+                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                       int64_t block, int64_t threads);
+int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq, const kv_t *k_cache,
+                        const kv_t *v_cache, const int32_t *table, int64_t t_begin,
                         const int64_t *t_end, float scale, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         int64_t kv_begin, int64_t kv_end, float *m, float *s, float *acc,
                         int64_t ld_m);
-void pagedq_attend_combine(const float *m, const float *s, const float *acc, int64_t chunks,
+void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc, int64_t chunks,
                            int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
                            float *out);
-int pagedq_decode_attention(const float *q, int64_t ldq, const float *k_cache,
-                            const float *v_cache, const int32_t *tables, int64_t table_stride,
+int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const kv_t *k_cache,
+                            const kv_t *v_cache, const int32_t *tables, int64_t table_stride,
                             const int32_t *context_lens, int64_t rows, float scale, float *out,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t threads);
@@ -36,6 +83,9 @@ void pagedq_silu_and_mul(const float *x, float *out, int64_t rows, int64_t size,
 void pagedq_store_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
                      float *k_cache, float *v_cache, const int64_t *slots, int64_t tokens,
                      int64_t row);
+void pagedq_store_kv_bf16(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
+                          int64_t tokens, int64_t row);
 
 /* Lane k of the result: the sum of a[k]'s 8 lanes. */
 static inline __m256 sum8(const __m256 *a) {

@@ -7,7 +7,9 @@ from every source:
 - ``cpu_gemv.c``, a linear layer's product for a decode batch;
 - ``cpu_rows.c``, the row-wise ops (RMSNorm, rotary, SiLU-and-mul, the KV store) at every
   batch size;
-- ``cpu_decode.c``, a whole decode step over the others.
+- ``cpu_decode.c``, a whole decode step over the others;
+- ``cpu_bf16.c``, the products, the attention and the decode step compiled again for bfloat16
+  weights and KV pools (float32 arithmetic), their functions named with ``_bf16``.
 
 Built with ``-fopenmp``: its ``libgomp.so.1`` is the one torch has loaded, so the kernels'
 parallel loops run on torch's thread pool.
@@ -36,8 +38,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
+
 _SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.c",
-            "cpu_decode.c")
+            "cpu_decode.c", "cpu_bf16.c")
 _HEADERS = ("cpu_kernels.h", "cpu_attention_values.h")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
          "-std=c11", "-fopenmp"]
@@ -54,6 +58,13 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I], None),
     "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I], ctypes.c_int),
 }
+# cpu_bf16.c's build of those that read weights or KV: the same arguments, bfloat16 behind the
+# weights' and pools' pointers
+_BF16 = ("pagedq_decode_attention", "pagedq_prefill", "pagedq_gemv", "pagedq_store_kv",
+         "pagedq_decode")
+_SIGNATURES |= {f"{name}_bf16": _SIGNATURES[name] for name in _BF16}
+# the element types those functions' weights and pools come in, and the name of each's build
+_TYPED = {torch.float32: "", torch.bfloat16: "_bf16"}
 
 
 def cpu_has(*flags: str) -> bool:
@@ -111,6 +122,13 @@ def function(name: str) -> Callable[..., Any] | None:
     found = getattr(library, name)
     found.argtypes, found.restype = _SIGNATURES[name]
     return found
+
+
+def typed(name: str, dtype: torch.dtype) -> Callable[..., Any] | None:
+    """``function`` of the build of ``name`` (one of ``_BF16``) for weights or KV pools of
+    ``dtype``, or None where there is none (other dtypes, no C kernels)."""
+    suffix = _TYPED.get(dtype)
+    return None if suffix is None else function(name + suffix)
 
 
 def required(name: str) -> Callable[..., Any]:

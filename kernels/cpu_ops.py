@@ -6,11 +6,16 @@ it: three passes over the KV bytes per layer and step, plus the padding. These r
 once, straight from the pool, so ragged rows cost only their own length. The per-token body
 is C (``kernels.cpu_native``: AVX2 / AVX-512 intrinsics, built at first use; its parallel loops
 on torch's OpenMP threads) where it builds, else numba's ``_attend`` (a token per task); the
-prefill runs the same body as the decode (see ``paged_attention_prefill`` for why). Only
-float32 tensors take these kernels (numba has no bfloat16); others use the reference. The store
+prefill runs the same body as the decode (see ``paged_attention_prefill`` for why). float32
+tensors take these kernels; bfloat16 pools only the C ones (numba has no bfloat16), their
+queries and outputs in float32 (a bfloat16 model's are widened and rounded back); others use
+the reference. The store
 is one call where the reference takes a mask, its ``.all()`` and two ``index_copy_`` (SmolLM2,
 a layer at one token: 29 -> 11 us).
 """
+
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -131,10 +136,11 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     prefill's rows of random-26m, a layer, took numba's loop 0.29 ms and it 0.12, pool pages
     resident. In a run most of a store is the first write of the pool's pages (1.6 ms a
     layer): the pool is left uninitialised (``ModelRunner``), as it is by design."""
-    if not cpu_float32(key, value, k_cache, v_cache):
+    c_pool = k_cache.dtype == v_cache.dtype and k_cache.device.type == "cpu"
+    native = cpu_native.typed("pagedq_store_kv", k_cache.dtype) if c_pool else None
+    if not cpu_float32(key, value) or (native is None and not cpu_float32(k_cache, v_cache)):
         reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
         return
-    native = cpu_native.function("pagedq_store_kv")
     if (native is not None and _rows(key) and _rows(value) and k_cache.is_contiguous()
             and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous()):
@@ -142,22 +148,36 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
                key.shape[1] * key.shape[2])
         return
+    if not cpu_float32(k_cache, v_cache):
+        reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+        return
     _store(key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
+
+
+def _c_attention(name: str, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> Callable[..., Any] | None:
+    """The C attention ``name`` built for these pools, or None where numba's body or the
+    reference serves them."""
+    if (q.device.type != "cpu" or k_cache.dtype != v_cache.dtype
+            or attention_body(q.shape[2]) != "c"):
+        return None
+    return cpu_native.typed(name, k_cache.dtype)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """``kernels.reference.paged_attention_decode``'s contract, computed in one pass."""
-    if k_cache.dtype != torch.float32 or q.shape[0] == 0:
+    native = _c_attention("pagedq_decode_attention", q, k_cache, v_cache)
+    if q.shape[0] == 0 or (native is None and k_cache.dtype != torch.float32):
         return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale)
     out = torch.empty(q.shape, dtype=torch.float32)
-    if attention_body(q.shape[2]) == "c":
-        q, tables = q.contiguous(), block_tables.contiguous()
+    if native is not None:
+        q32, tables = q.float().contiguous(), block_tables.contiguous()
         lens = context_lens.to(torch.int32).contiguous()
-        if cpu_native.required("pagedq_decode_attention")(
-                q.data_ptr(), q.shape[1] * q.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
+        if native(
+                q32.data_ptr(), q.shape[1] * q.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), q.shape[0], scale,
                 out.data_ptr(), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                 torch.get_num_threads()) != 0:
@@ -211,15 +231,16 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     is the uninterrupted one, bit for bit. The C body takes a sequence's tokens
     ``QUERY_TILE`` at a time over shared key loads (random-26m's 128 prompts: 1.31 -> 0.90 s);
     numba's, one token per task."""
-    if k_cache.dtype != torch.float32 or q.shape[0] == 0:
+    native = _c_attention("pagedq_prefill", q, k_cache, v_cache)
+    if q.shape[0] == 0 or (native is None and k_cache.dtype != torch.float32):
         return reference.paged_attention_prefill(q, k_cache, v_cache, cu_seqlens_q,
                                                  block_tables, context_lens, scale)
     out = torch.empty(q.shape, dtype=torch.float32)
-    if attention_body(q.shape[2]) == "c":
-        q, tables = q.contiguous(), block_tables.contiguous()
+    if native is not None:
+        q32, tables = q.float().contiguous(), block_tables.contiguous()
         tiles = _query_tiles(cu_seqlens_q, context_lens)
-        if cpu_native.required("pagedq_prefill")(
-                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        if native(
+                q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                 tables.shape[1], tiles.ctypes.data, tiles.shape[0], scale, out.data_ptr(),
                 q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
                 torch.get_num_threads()) != 0:

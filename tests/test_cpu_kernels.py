@@ -103,8 +103,9 @@ def test_prefill_reports_scratch_memory_it_cannot_have() -> None:
 
 
 def test_decode_other_dtypes_fall_back() -> None:
-    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
-    k = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
+    """float16 pools have no C build (bfloat16's: tests/test_cpu_bf16.py)."""
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    k = torch.randn(4, 16, 2, 64, dtype=torch.float16)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     ctx = torch.tensor([20, 3], dtype=torch.int32)
     out = cpu_ops.paged_attention_decode(q, k, k, tables, ctx, 0.125)
