@@ -6,9 +6,9 @@ every weight costs about as much as the product itself (py-spy on SmolLM2: 21% o
 in MKL's ``scopy`` against 24% in its kernel). oneDNN takes a weight packed once at load time.
 
 bfloat16 weights (``engine.loader``'s bfloat16 on the CPU) take float32 rows and give float32
-rows: up to ``GEMV_ROWS`` rows through ``cpu_gemv``'s bfloat16 build (the weights widened, the
-inputs as they are), past them through oneDNN's bfloat16 product, the inputs rounded to
-bfloat16 (a prefill's 2,048 x 512 x 3,072 product: 17.6 against 30.6 ms in float32, 2
+rows: up to ``GEMV_ROWS`` rows through ``cpu_gemv``'s bfloat16 build (with AVX-512 BF16 the
+inputs rounded to bfloat16 and taken in pairs, else the weights widened and the inputs as they
+are), past them through oneDNN's bfloat16 product, the inputs rounded to bfloat16 (a prefill's 2,048 x 512 x 3,072 product: 17.6 against 30.6 ms in float32, 2
 threads, AMD EPYC Zen 4 with AVX-512 BF16).
 """
 
@@ -92,8 +92,8 @@ class PackedLinear(DirectModule):
         Else oneDNN: its one-row path sums another way past 1,024 inputs (SmolLM2's down_proj:
         1.9e-6 off its many-row result, while 2 to 4,096 rows all agree), so a lone row goes in
         twice where the probe at load saw it differ. Free at that size (161 against 164 us).
-        bfloat16 weights keep that only within each side of ``GEMV_ROWS``: oneDNN's products
-        round the inputs to bfloat16, ``cpu_gemv``'s do not."""
+        bfloat16 weights keep that only within each side of ``GEMV_ROWS``: the two sum in
+        other orders."""
         if (self.panels is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS
                 and x.stride(1) == 1):
             return cpu_gemv.gemv(x, self.panels, self.bias, self.out_features, self.block)
@@ -113,8 +113,8 @@ def pack_linears(model: nn.Module, weight_dtype: torch.dtype = torch.float32) ->
                for name, child in module.named_children() if type(child) is nn.Linear]
     # cpu_gemv's panels in huge pages, each moved there as its layer is packed (one layer's
     # copy at a time beside the arena)
-    arena = HugePageArena(sum(-(-c.out_features // cpu_gemv.PANEL) * cpu_gemv.PANEL
-                              * c.in_features for _, _, c in linears), weight_dtype)
+    arena = HugePageArena(sum(cpu_gemv.packed_size(c.out_features, c.in_features, weight_dtype)
+                              for _, _, c in linears), weight_dtype)
     for module, name, child in linears:
         layer = PackedLinear(child, weight_dtype)
         if layer.panels is not None:

@@ -53,28 +53,32 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
         } else {
             pagedq_rms_norm(x, residual, t[INPUT_NORM], eps, normed, residual, rows, hidden, 1);
         }
-        NAME(pagedq_gemv)(normed, hidden, rows, t[QKV], t[QKV_BIAS], qkv, qkv_size, qkv_size,
-                          hidden, dims[QKV_BLOCK], threads);
+        if (NAME(pagedq_gemv)(normed, hidden, rows, t[QKV], t[QKV_BIAS], qkv, qkv_size,
+                              qkv_size, hidden, dims[QKV_BLOCK], threads) != 0)
+            goto fail;
         pagedq_rotary(qkv, qkv_size, qkv + q_size, qkv_size, cos, sin, positions, q, k, rows,
                       heads, kv_heads, head_dim, 1);
         NAME(pagedq_store_kv)(k, kv_size, qkv + q_size + kv_size, qkv_size, (kv_t *)t[K_CACHE],
                               (kv_t *)t[V_CACHE], slots, rows, kv_size);
         if (NAME(pagedq_decode_attention)(q, q_size, t[K_CACHE], t[V_CACHE], tables,
                                           table_stride, context_lens, rows, scale, attn, heads,
-                                          kv_heads, head_dim, dims[BLOCK_SIZE], threads) != 0) {
-            free(buffer);
-            return -1;
-        }
-        NAME(pagedq_gemv)(attn, q_size, rows, t[O_PROJ], 0, x, hidden, hidden, q_size,
-                          dims[O_BLOCK], threads);
+                                          kv_heads, head_dim, dims[BLOCK_SIZE], threads) != 0 ||
+            NAME(pagedq_gemv)(attn, q_size, rows, t[O_PROJ], 0, x, hidden, hidden, q_size,
+                              dims[O_BLOCK], threads) != 0)
+            goto fail;
         pagedq_rms_norm(x, residual, t[POST_NORM], eps, normed, residual, rows, hidden, 1);
-        NAME(pagedq_gemv)(normed, hidden, rows, t[GATE_UP], 0, gate_up, 2 * inter, 2 * inter,
-                          hidden, dims[GATE_UP_BLOCK], threads);
+        if (NAME(pagedq_gemv)(normed, hidden, rows, t[GATE_UP], 0, gate_up, 2 * inter,
+                              2 * inter, hidden, dims[GATE_UP_BLOCK], threads) != 0)
+            goto fail;
         pagedq_silu_and_mul(gate_up, act, rows, inter, 1);
-        NAME(pagedq_gemv)(act, inter, rows, t[DOWN], 0, x, hidden, hidden, inter,
-                          dims[DOWN_BLOCK], threads);
+        if (NAME(pagedq_gemv)(act, inter, rows, t[DOWN], 0, x, hidden, hidden, inter,
+                              dims[DOWN_BLOCK], threads) != 0)
+            goto fail;
     }
     pagedq_rms_norm(x, residual, final_norm, eps, x, residual, rows, hidden, 1);
     free(buffer);
     return 0;
+fail:
+    free(buffer);
+    return -1;
 }

@@ -20,6 +20,7 @@
  * No probe pairs that build with oneDNN, whose bfloat16 products round the inputs too. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_kernels.h"
 
@@ -80,16 +81,50 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 #define PANELS 1
 #endif
 
+/* Where the CPU has AVX-512 BF16, the bfloat16 build takes its inputs in pairs: the rows
+ * rounded to bfloat16 once per call (input_t: inputs 2i and 2i + 1, the first in the low
+ * half), the panels as w[panel][k / 2][16][2] (inputs padded to even), and each vdpbf16ps
+ * adds both inputs' products to a lane's sum, twice the multiply-adds of an FMA a cycle. Its
+ * one sum per output runs over the pairs in order (block is not used); it rounds like
+ * oneDNN's bfloat16 products, not like the float32 build. A STEP is an input (a pair) of
+ * every panel: STEP_ELEMS weights. */
+#if defined(PAGEDQ_BF16) && defined(__AVX512BF16__)
+#define PAIRED 1
+#define STEP_ELEMS 32
+typedef uint32_t input_t;
+#else
+#define PAIRED 0
+#define STEP_ELEMS 16
+typedef float input_t;
+#endif
+
 /* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
- * where it is inlined. Panel j's weights at w + j * k * 16. Input i also asks the memory for
- * the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and pf2_lines (see
- * pagedq_gemv). */
+ * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. Step i also
+ * asks the memory for the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and
+ * pf2_lines (see pagedq_gemv). */
 static inline __attribute__((always_inline)) void tile(
-        const float *x, int64_t ldx, const int rows, const int panels, const weight_t *w,
+        const input_t *x, int64_t ldx, const int rows, const int panels, const weight_t *w,
         const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
         const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
         int64_t pf2_lines) {
-    vec16 total[TILE][PANELS], part[TILE][PANELS];
+    vec16 total[TILE][PANELS];
+#if PAIRED
+    (void)block;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < panels; j++) total[r][j] = zero16();
+    for (int64_t i = 0; i < k; i++) {
+        __m512i wv[PANELS];
+        if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+        if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
+        for (int j = 0; j < panels; j++) wv[j] = _mm512_loadu_si512(w + (j * k + i) * 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + i]);
+            for (int j = 0; j < panels; j++)
+                total[r][j] = _mm512_dpbf16_ps(total[r][j], pair, (__m512bh)wv[j]);
+        }
+    }
+#else
+    vec16 part[TILE][PANELS];
     for (int64_t k0 = 0; k0 < k; k0 += block) {
         const int64_t k1 = k0 + block < k ? k0 + block : k;
         for (int r = 0; r < rows; r++)
@@ -107,6 +142,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int j = 0; j < panels; j++)
                 total[r][j] = k0 == 0 ? part[r][j] : add16(total[r][j], part[r][j]);
     }
+#endif
     for (int j = 0; j < panels; j++) {
         float b[16] = {0};
         for (int64_t i = 0; bias && i < lanes[j]; i++) b[i] = bias[j * 16 + i];
@@ -117,7 +153,7 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS), as constants. */
-static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels,
+static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels,
                      const weight_t *w, const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
                      const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
                      int64_t pf2_lines) {
@@ -147,11 +183,21 @@ static void any_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels,
 
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each
- * group's rows in tiles of TILE (its weights read again per tile, from the cache). */
-void NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
-                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
-                       int64_t block, int64_t threads) {
+ * group's rows in tiles of TILE (its weights read again per tile, from the cache). Returns 0,
+ * or -1 where the paired inputs' memory could not be had (y is then undefined). */
+int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
+                      const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                      int64_t block, int64_t threads) {
     const int64_t panels = (n + 15) / 16, groups = (panels + PANELS - 1) / PANELS;
+#if PAIRED
+    const int64_t steps = (k + 1) / 2, ldin = steps;
+    input_t *in = malloc(sizeof(input_t) * (size_t)(rows * steps));
+    if (!in) return -1;
+    for (int64_t r = 0; r < rows; r++) to_pairs(x + r * ldx, k, in + r * steps);
+#else
+    const int64_t steps = k, ldin = ldx;
+    const input_t *in = x;
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t p0 = g * PANELS, np = panels - p0 < PANELS ? panels - p0 : PANELS;
@@ -165,26 +211,30 @@ void NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t
          * turns (SmolLM2's 121 layers, cold, 2 threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8
          * ms, 16 rows 17.1 -> 12.7, 32 rows 26.0 -> 18.5-21, 64 rows 41.8 -> 36.5; one row,
          * which computes too little to wait on the memory, gained nothing and is left out) */
-        const char *next = (const char *)(w + (p0 + PANELS) * k * 16);
+        const char *next = (const char *)(w + (p0 + PANELS) * steps * STEP_ELEMS);
         const int64_t next_panels = panels - p0 - np < PANELS ? panels - p0 - np : PANELS;
         const int64_t lines = g + 1 < groups && rows > 1
-                                  ? next_panels * k * (int64_t)sizeof(weight_t) / 4 : 0;
+            ? next_panels * steps * STEP_ELEMS * (int64_t)sizeof(weight_t) / 64 : 0;
         const int64_t tiles = (rows + TILE - 1) / TILE;
         for (int64_t t = 0; t < tiles; t++) {
             /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */
             int64_t a = 0, na = 0, b = 0, nb = 0;
             if (tiles == 1) {
-                na = lines < k ? lines : k;
-                b = k, nb = lines - na;
+                na = lines < steps ? lines : steps;
+                b = steps, nb = lines - na;
             } else if (tiles == 2 || t > 0) {
-                a = tiles == 2 ? t * k : (t - 1) * k;
-                na = lines - a < k ? lines - a : k;
+                a = tiles == 2 ? t * steps : (t - 1) * steps;
+                na = lines - a < steps ? lines - a : steps;
             }
             const int64_t r0 = t * TILE;
-            any_tile(x + r0 * ldx, ldx, rows - r0 < TILE ? rows - r0 : TILE, np,
-                     w + p0 * k * 16, bias ? bias + p0 * 16 : 0, y + r0 * ldy + p0 * 16, ldy,
-                     k, block, lanes, next + a * 64, na > 0 ? na : 0, next + b * 64,
-                     nb > 0 ? nb : 0);
+            any_tile(in + r0 * ldin, ldin, rows - r0 < TILE ? rows - r0 : TILE, np,
+                     w + p0 * steps * STEP_ELEMS, bias ? bias + p0 * 16 : 0,
+                     y + r0 * ldy + p0 * 16, ldy, steps, block, lanes, next + a * 64,
+                     na > 0 ? na : 0, next + b * 64, nb > 0 ? nb : 0);
         }
     }
+#if PAIRED
+    free(in);
+#endif
+    return 0;
 }

@@ -13,19 +13,44 @@ import torch
 from kernels import cpu_native
 
 PANEL = 16
+# bfloat16 panels in pairs of inputs, for AVX-512 BF16's vdpbf16ps (cpu_gemv.c's PAIRED build,
+# compiled -march=native: the same flag decides there)
+PAIRED = cpu_native.cpu_has("avx512_bf16")
 
 
 def available() -> bool:
     return cpu_native.function("pagedq_gemv") is not None
 
 
+def _paired(dtype: torch.dtype) -> bool:
+    return PAIRED and dtype == torch.bfloat16
+
+
+def steps(in_features: int, dtype: torch.dtype) -> int:
+    """A panel's steps over the inputs: one an input, or one a pair of inputs (``PAIRED``)."""
+    return -(-in_features // 2) if _paired(dtype) else in_features
+
+
+def packed_size(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """The elements ``pack_panels`` holds for a weight of this shape and type."""
+    return -(-out_features // PANEL) * PANEL * steps(in_features, dtype) * (
+        2 if _paired(dtype) else 1)
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] as [ceil(out / 16), in, 16], outputs past ``out`` zero."""
+    """``weight`` [out, in] as [ceil(out / 16), in, 16], outputs past ``out`` zero; paired
+    bfloat16 as [ceil(out / 16), ceil(in / 2), 32], each 32 the 16 outputs' weights of inputs
+    2i and 2i + 1 side by side (an odd ``in`` padded with a zero input)."""
     out_features, in_features = weight.shape
-    panels = -(-out_features // PANEL)
-    padded = weight.new_zeros(panels * PANEL, in_features)
-    padded[:out_features] = weight
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    panels, width = -(-out_features // PANEL), steps(in_features, weight.dtype)
+    if not _paired(weight.dtype):
+        padded = weight.new_zeros(panels * PANEL, in_features)
+        padded[:out_features] = weight
+        return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    padded = weight.new_zeros(panels * PANEL, 2 * width)
+    padded[:out_features, :in_features] = weight
+    return (padded.view(panels, PANEL, width, 2).permute(0, 2, 1, 3).contiguous()
+            .view(panels, width, 2 * PANEL))
 
 
 def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
@@ -36,11 +61,13 @@ def gemv(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     if function is None:
         raise RuntimeError(f"gemv: no C build for {panels.dtype} weights on this machine")
     rows, in_features = x.shape
-    if rows == 0 or x.stride(1) != 1 or panels.shape[1] != in_features:
-        raise ValueError(f"gemv takes rows of {panels.shape[1]} inputs with unit "
-                         f"stride, got shape {tuple(x.shape)} stride {x.stride()}")
+    if rows == 0 or x.stride(1) != 1 or panels.shape[1] != steps(in_features, panels.dtype):
+        raise ValueError(f"gemv takes rows of the panels' inputs with unit stride, got shape "
+                         f"{tuple(x.shape)} stride {x.stride()} for panels "
+                         f"{tuple(panels.shape)}")
     y = torch.empty(rows, out_features)
-    function(x.data_ptr(), x.stride(0), rows, panels.data_ptr(),
-             None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
-             out_features, in_features, block, torch.get_num_threads())
+    if function(x.data_ptr(), x.stride(0), rows, panels.data_ptr(),
+                None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+                out_features, in_features, block, torch.get_num_threads()) != 0:
+        raise MemoryError("gemv could not allocate its paired inputs")
     return y

@@ -5,13 +5,15 @@
 #define PAGEDQ_CPU_KERNELS_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The element types of the weights (cpu_gemv.c's panels) and of the KV pools: float32, or
  * bfloat16 where cpu_bf16.c compiles the same sources again with PAGEDQ_BF16 defined (NAME()
  * gives that build's functions their _bf16 names). A bfloat16 is a float's upper 16 bits, so
  * the loads below widen it exactly and every sum runs in float32 as in the float32 build: the
- * bfloat16 build halves the bytes the memory-bound products and attention read, and computes
- * nothing differently (llama.cpp's F16 shape: 16-bit weights and cache, float32 activations). */
+ * bfloat16 build halves the bytes the memory-bound products and attention read (llama.cpp's
+ * F16 shape: 16-bit weights and cache, float32 activations). Only the products on CPUs with
+ * AVX-512 BF16 compute otherwise: on inputs rounded to bfloat16, in pairs (cpu_gemv.c). */
 #ifdef PAGEDQ_BF16
 typedef uint16_t weight_t;
 typedef uint16_t kv_t;
@@ -31,6 +33,28 @@ static inline __m256 widen8(const uint16_t *p) {
 static inline __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* f rounded to the nearest bfloat16, ties to even, any NaN to 0xFFFF: torch's (vectorized)
+ * conversion, which the reference store runs */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef __AVX512BF16__
+/* x[0 .. k) as bfloat16 pairs, (2i, 2i + 1) in out[i] (the first in the low half), rounded
+ * to nearest even; an odd k's last pair padded with zero */
+static inline void to_pairs(const float *x, int64_t k, uint32_t *out) {
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32)
+        _mm512_storeu_si512(out + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16),
+                                                                      _mm512_loadu_ps(x + i)));
+    for (; i < k; i += 2)
+        out[i / 2] = to_bf16(x[i]) | (i + 1 < k ? (uint32_t)to_bf16(x[i + 1]) << 16 : 0u);
 }
 #endif
 
@@ -55,9 +79,9 @@ static inline __m512 load16_kv(const kv_t *p) {
 /* a token's attention is computed in chunks of this many key positions (cpu_attention.c) */
 #define CHUNK 256
 
-void NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
-                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
-                       int64_t block, int64_t threads);
+int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
+                      const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                      int64_t block, int64_t threads);
 int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq, const kv_t *k_cache,
                         const kv_t *v_cache, const int32_t *table, int64_t t_begin,
                         const int64_t *t_end, float scale, int64_t num_heads,

@@ -51,7 +51,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_decode_attention": ([_P, _I, _P, _P, _P, _I, _P, _I, _F, _P] + [_I] * 5,
                                 ctypes.c_int),
     "pagedq_prefill": ([_P] * 4 + [_I, _P, _I, _F, _P] + [_I] * 5, ctypes.c_int),
-    "pagedq_gemv": ([_P, _I, _I, _P, _P, _P] + [_I] * 5, None),
+    "pagedq_gemv": ([_P, _I, _I, _P, _P, _P] + [_I] * 5, ctypes.c_int),
     "pagedq_rms_norm": ([_P, _P, _P, _F, _P, _P, _I, _I, _I], None),
     "pagedq_rotary": ([_P, _I, _P, _I] + [_P] * 5 + [_I] * 5, None),
     "pagedq_silu_and_mul": ([_P, _P, _I, _I, _I], None),

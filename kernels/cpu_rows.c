@@ -125,15 +125,6 @@ void pagedq_store_kv(const float *key, int64_t ldk, const float *value, int64_t 
     }
 }
 
-/* f rounded to the nearest bfloat16, ties to even, any NaN to 0xFFFF: torch's (vectorized)
- * conversion, which the reference store runs */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* pagedq_store_kv into bfloat16 pools, each float as to_bf16 rounds it */
 void pagedq_store_kv_bf16(const float *key, int64_t ldk, const float *value, int64_t ldv,
                           uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,

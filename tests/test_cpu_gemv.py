@@ -32,7 +32,7 @@ def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take() -> None:
     wide = torch.randn(3, 100)
     y = cpu_gemv.gemv(wide[:, 10:74], panels, None, 40, 64)  # rows 100 floats apart
     torch.testing.assert_close(y, linear(wide[:, 10:74]), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="rows of 64 inputs"):
+    with pytest.raises(ValueError, match="rows of the panels. inputs"):
         cpu_gemv.gemv(torch.randn(0, 64), panels, None, 40, 64)
     with pytest.raises(ValueError, match="unit stride"):
         cpu_gemv.gemv(torch.randn(64, 2).T, panels, None, 40, 64)
