@@ -8,8 +8,9 @@ in MKL's ``scopy`` against 24% in its kernel). oneDNN takes a weight packed once
 bfloat16 weights (``engine.loader``'s bfloat16 on the CPU) take float32 rows and give float32
 rows: up to ``GEMV_ROWS`` rows through ``cpu_gemv``'s bfloat16 build (with AVX-512 BF16 the
 inputs rounded to bfloat16 and taken in pairs, else the weights widened and the inputs as they
-are), past them through oneDNN's bfloat16 product, the inputs rounded to bfloat16 (a prefill's 2,048 x 512 x 3,072 product: 17.6 against 30.6 ms in float32, 2
-threads, AMD EPYC Zen 4 with AVX-512 BF16).
+are), past them through oneDNN's bfloat16 product, the inputs rounded to bfloat16 (a
+prefill's 2,048 x 512 x 3,072 product: 17.6 against 30.6 ms in float32, 2 threads, AMD EPYC
+Zen 4 with AVX-512 BF16).
 """
 
 import torch
