@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_attention_pairs.h"
 #include "cpu_attention_values.h"
 #include "cpu_kernels.h"
 
@@ -98,14 +99,33 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
     }
     /* each key's row in the pool; the padding repeats the last key (a query's padding past its
      * own keys reads later ones: its scores are masked out of the softmax either way) */
-    for (int64_t t = 0; t < longest; t++) {
-        const int64_t p = t_begin + t;
-        offsets[t] = ((int64_t)table[p / block_size] * block_size + p % block_size) * row;
+    for (int64_t t = 0; t < longest;) { /* a block's run of slots at a time: one division */
+        const int64_t p = t_begin + t, base = (int64_t)table[p / block_size] * block_size;
+        for (int64_t j = p % block_size; j < block_size && t < longest; j++, t++)
+            offsets[t] = (base + j) * row;
     }
     for (int64_t t = longest; t < stride; t++) offsets[t] = offsets[longest - 1];
     for (int64_t i = 0; i < nq; i++)
         for (int64_t e = g_begin * head_dim; e < g_end * head_dim; e++)
             qs[i * qsize + e] = q[i * ldq + e] * scale;
+#if PAIRED
+    /* the scaled queries, then the numerators, as bfloat16 pairs (cpu_attention_pairs.h) */
+    const int paired = head_dim % 32 == 0;
+    const int64_t ldp = stride / 2;
+    uint32_t *qp = paired ? malloc(sizeof(uint32_t) * (size_t)(nq * (qsize + num_heads * stride)
+                                                                / 2)) : 0;
+    uint32_t *pp = paired ? qp + nq * qsize / 2 : 0;
+    if (paired && !qp) {
+        free(scores);
+        free(qs);
+        free(offsets);
+        return -1;
+    }
+    for (int64_t i = 0; paired && i < nq; i++)
+        for (int64_t g = g_begin; g < g_end; g++)
+            to_pairs(qs + i * qsize + g * head_dim, head_dim,
+                     qp + (i * qsize + g * head_dim) / 2);
+#endif
     /* scores, a tile of 8 keys for every head, QGROUP query heads at a time */
     for (int64_t t0 = 0; t0 < stride; t0 += 8) {
         if (t0 + PREFETCH < stride)
@@ -122,6 +142,15 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
                 float *si = scores + i * num_heads * stride;
                 for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                     const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
+#if PAIRED
+                    const uint32_t *qpi = qp + i * qsize / 2;
+                    if (paired && G == 3) score_tile_pairs(qpi, rows, head_dim, 3, g, si, stride,
+                                                           t0);
+                    else if (paired && G == 2) score_tile_pairs(qpi, rows, head_dim, 2, g, si,
+                                                                stride, t0);
+                    else if (paired) score_tile_pairs(qpi, rows, head_dim, 1, g, si, stride, t0);
+                    else
+#endif
                     if (G == 3) score_tile(qi, rows, head_dim, 3, g, si, stride, t0);
                     else if (G == 2) score_tile(qi, rows, head_dim, 2, g, si, stride, t0);
                     else score_tile(qi, rows, head_dim, 1, g, si, stride, t0);
@@ -151,6 +180,9 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
             m[i * ld_m + g] = top;
             s[i * ld_m + g] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
                               ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+#if PAIRED
+            if (paired) to_pairs(row_s, padded, pp + (i * num_heads + g) * ldp);
+#endif
         }
     }
     /* acc: each query head's values, its sums over the keys in order (value_pass writes them
@@ -163,6 +195,17 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
             for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                 const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
                 const kv_t *vh = v_cache + h * head_dim;
+#if PAIRED
+                const uint32_t *ppi = pp + i * num_heads * ldp;
+                const int64_t npairs = (length + 1) / 2;
+                if (paired && G == 3)
+                    value_pass_pairs(ppi, ldp, vh, offsets, npairs, 3, g, ai, head_dim);
+                else if (paired && G == 2)
+                    value_pass_pairs(ppi, ldp, vh, offsets, npairs, 2, g, ai, head_dim);
+                else if (paired)
+                    value_pass_pairs(ppi, ldp, vh, offsets, npairs, 1, g, ai, head_dim);
+                else
+#endif
                 if (G == 3) value_pass(si, stride, vh, offsets, length, 3, g, ai, head_dim);
                 else if (G == 2) value_pass(si, stride, vh, offsets, length, 2, g, ai, head_dim);
                 else value_pass(si, stride, vh, offsets, length, 1, g, ai, head_dim);
@@ -171,6 +214,9 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
     free(scores);
     free(qs);
     free(offsets);
+#if PAIRED
+    free(qp);
+#endif
     return 0;
 }
 

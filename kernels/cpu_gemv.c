@@ -88,12 +88,10 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
  * one sum per output runs over the pairs in order (block is not used); it rounds like
  * oneDNN's bfloat16 products, not like the float32 build. A STEP is an input (a pair) of
  * every panel: STEP_ELEMS weights. */
-#if defined(PAGEDQ_BF16) && defined(__AVX512BF16__)
-#define PAIRED 1
+#if PAIRED
 #define STEP_ELEMS 32
 typedef uint32_t input_t;
 #else
-#define PAIRED 0
 #define STEP_ELEMS 16
 typedef float input_t;
 #endif

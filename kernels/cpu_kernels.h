@@ -14,6 +14,13 @@
  * bfloat16 build halves the bytes the memory-bound products and attention read (llama.cpp's
  * F16 shape: 16-bit weights and cache, float32 activations). Only the products on CPUs with
  * AVX-512 BF16 compute otherwise: on inputs rounded to bfloat16, in pairs (cpu_gemv.c). */
+/* PAIRED: the bfloat16 build on a CPU with AVX-512 BF16, whose products and attention take
+ * bfloat16 pairs (cpu_gemv.c, cpu_attention_pairs.h) */
+#if defined(PAGEDQ_BF16) && defined(__AVX512BF16__)
+#define PAIRED 1
+#else
+#define PAIRED 0
+#endif
 #ifdef PAGEDQ_BF16
 typedef uint16_t weight_t;
 typedef uint16_t kv_t;
