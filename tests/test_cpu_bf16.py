@@ -2,8 +2,8 @@
 (``engine.loader.activation_dtype``). The C kernels' bfloat16 build (``kernels/cpu_bf16.c``)
 gives, bit for bit, what the float32 build gives on the widened values, or, where the CPU
 pairs bfloat16s (AVX-512 BF16), that of the rounded inputs within bfloat16's precision; the
-store rounds as torch does; the engine's greedy tokens are near-argmax tokens of transformers' float32 model
-on the same bfloat16-rounded weights, each logprob close to its."""
+store rounds as torch does; the engine's greedy tokens are near-argmax tokens of transformers'
+float32 model on the same bfloat16-rounded weights, each logprob close to its."""
 
 from collections.abc import Callable
 from pathlib import Path
