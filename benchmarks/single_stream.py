@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--skip-queue", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="pagedq's (bfloat16: bf16 weights and KV, float32 activations)")
     p.add_argument("--peers", default="", help="llamacpp: llama-server on F32 weights with an "
                    "f32 KV cache (its arithmetic is pagedq's) and on F16 weights with flash "
                    "attention (its fastest); bash benchmarks/llamacpp_peer.sh builds it")
@@ -145,11 +147,11 @@ def start_llamacpp(args: argparse.Namespace, threads: int, stack: ExitStack
     return ways
 
 
-def start_worker(url: str, path: Path, threads: int) -> subprocess.Popen:
+def start_worker(url: str, path: Path, threads: int, dtype: str) -> subprocess.Popen:
     log_file = open(common.OUT_DIR / "single-stream-worker.log", "w")  # noqa: SIM115 (the child's)
     return subprocess.Popen(
         [sys.executable, "-m", "worker", "--redis-url", url, "--queue", "single",
-         "--model", str(path), "--device", "cpu", "--dtype", "float32",
+         "--model", str(path), "--device", "cpu", "--dtype", dtype,
          "--num-kv-blocks", str(NUM_KV_BLOCKS), "--threads", str(threads)],
         stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
 
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     # fresh prompts each round, the same for every way in it: no prefix-cache hits on repeats
     prompts = [{n: common.random_prompt(rng, ids, n) for n in args.prompt_lens}
                for _ in range(args.rounds)]
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
+    llm = LLM(str(path), dtype=args.dtype, device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
     bandwidth, weights = read_bandwidth_gb_s(), step_bytes(llm)
     floor = bandwidth * 1e9 / weights
     rows: list[dict[str, Any]] = []
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_queue:
             server = RedisServer().start()
             stack.callback(server.stop)
-            worker = start_worker(server.url, path, threads)
+            worker = start_worker(server.url, path, threads, args.dtype)
             stack.callback(lambda: (worker.terminate(), worker.wait(60)))
             client = Client(server.url, queue="single")
             ways.append(("queue", lambda p: via_queue(client, p, args.max_tokens)))
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
 def report(args: argparse.Namespace, threads: int, rows: list[dict[str, Any]],
            bandwidth: float, weights: int, floor: float) -> None:
     print(f"\n== single stream: model={args.model}, {args.max_tokens} new tokens, greedy, cpu "
-          f"float32, {threads} threads ==")
+          f"{args.dtype}, {threads} threads ==")
     print(f"floor: {weights / 1e9:.3f} GB read per step at {bandwidth:.1f} GB/s -> at most "
           f"{floor:.1f} tok/s")
     print(common.format_table(
