@@ -10,7 +10,9 @@ rows: up to ``GEMV_ROWS`` rows through ``cpu_gemv``'s bfloat16 build (with AVX-5
 inputs rounded to bfloat16 and taken in pairs, else the weights widened and the inputs as they
 are), past them through oneDNN's bfloat16 product, the inputs rounded to bfloat16 (a
 prefill's 2,048 x 512 x 3,072 product: 17.6 against 30.6 ms in float32, 2 threads, AMD EPYC
-Zen 4 with AVX-512 BF16).
+Zen 4 with AVX-512 BF16). oneDNN's bfloat16 products need AVX-512 (BW, VL, DQ) or
+AVX-NE-CONVERT; elsewhere (AVX2) its float32 product of the rounded weights serves past
+``GEMV_ROWS``, at float32's speed and memory for that copy.
 """
 
 import torch
@@ -28,6 +30,8 @@ _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe fou
 # 157); AVX2's (4 by 16) fell behind it past a few dozen (64 rows, the same EPYC built without
 # AVX-512: 19.7 against 8.8 ms on random-26m's layers).
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
+ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
+               and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -41,8 +45,11 @@ class PackedLinear(DirectModule):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().to(weight_dtype)
-        self.weight_dtype = weight_dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+        # oneDNN's copy: of weight_dtype, or float32 where oneDNN has no bfloat16 product
+        self.product_dtype = (weight_dtype if weight_dtype == torch.float32 or ONEDNN_BF16
+                              else torch.float32)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.product_dtype),
+                                                              _BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.panels: torch.Tensor | None
         if weight_dtype != torch.float32:
@@ -79,9 +86,9 @@ class PackedLinear(DirectModule):
         return None, 0
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_dtype == torch.float32:
+        if self.product_dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = torch.ops.mkldnn._linear_pointwise(x.to(self.weight_dtype), self.packed, None,
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.product_dtype), self.packed, None,
                                                "none", [], "").float()
         return y if self.bias is None else y.add_(self.bias)
 

@@ -8,3 +8,7 @@
 #include "cpu_attention_tasks.c"
 #include "cpu_decode.c"
 #include "cpu_gemv.c"
+
+/* Whether this build takes bfloat16 pairs (PAIRED: AVX-512 BF16), so that the Python side
+ * packs the products' panels to match. */
+int pagedq_bf16_paired(void) { return PAIRED; }

@@ -8,26 +8,33 @@ for the block at load), so a row's bits stay the same in any batch. Panels of bf
 weights take the bfloat16 build (``cpu_bf16.c``): the same sums of the widened weights.
 """
 
+from functools import cache
+
 import torch
 
 from kernels import cpu_native
 
 PANEL = 16
-# bfloat16 panels in pairs of inputs, for AVX-512 BF16's vdpbf16ps (cpu_gemv.c's PAIRED build,
-# compiled -march=native: the same flag decides there)
-PAIRED = cpu_native.cpu_has("avx512_bf16")
 
 
 def available() -> bool:
     return cpu_native.function("pagedq_gemv") is not None
 
 
+@cache
+def paired() -> bool:
+    """Whether the bfloat16 build takes inputs in pairs (AVX-512 BF16's vdpbf16ps: the build
+    says, ``cpu_bf16.c``), and so its panels must be packed in pairs."""
+    function = cpu_native.function("pagedq_bf16_paired")
+    return function is not None and bool(function())
+
+
 def _paired(dtype: torch.dtype) -> bool:
-    return PAIRED and dtype == torch.bfloat16
+    return dtype == torch.bfloat16 and paired()
 
 
 def steps(in_features: int, dtype: torch.dtype) -> int:
-    """A panel's steps over the inputs: one an input, or one a pair of inputs (``PAIRED``)."""
+    """A panel's steps over the inputs: one an input, or one a pair of inputs (``paired``)."""
     return -(-in_features // 2) if _paired(dtype) else in_features
 
 

@@ -42,9 +42,11 @@ import torch
 
 _SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.c",
             "cpu_decode.c", "cpu_bf16.c")
-_HEADERS = ("cpu_kernels.h", "cpu_attention_values.h")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
-         "-std=c11", "-fopenmp"]
+_HEADERS = ("cpu_kernels.h", "cpu_attention_values.h", "cpu_attention_pairs.h")
+# PAGEDQ_NATIVE_MARCH: another -march than this CPU's (haswell, say: the AVX2 build), to test
+# that build's paths on a machine that has more
+FLAGS = ["-O3", f"-march={os.environ.get('PAGEDQ_NATIVE_MARCH') or 'native'}",
+         "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11", "-fopenmp"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # each function's argument types and result (the C sources give their meaning)
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
@@ -57,6 +59,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_silu_and_mul": ([_P, _P, _I, _I, _I], None),
     "pagedq_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I], None),
     "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I], ctypes.c_int),
+    "pagedq_bf16_paired": ([], ctypes.c_int),
 }
 # cpu_bf16.c's build of those that read weights or KV: the same arguments, bfloat16 behind the
 # weights' and pools' pointers

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_linear
 from kernels import cpu_gemv, cpu_native, cpu_ops, reference
 
 pytestmark = pytest.mark.skipif(cpu_native.function("pagedq_decode_bf16") is None,
@@ -41,7 +41,7 @@ def test_attention_over_bf16_pools(group: int, head_dim: int) -> None:
     scale = head_dim**-0.5
 
     def check(got: torch.Tensor, want: torch.Tensor) -> None:
-        if cpu_gemv.PAIRED and head_dim % 32 == 0:
+        if cpu_gemv.paired() and head_dim % 32 == 0:
             torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
         else:
             assert torch.equal(got, want)
@@ -102,7 +102,7 @@ def test_gemv_over_bf16_panels(rows: int, in_features: int,
     x = torch.randn(rows, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
     got = cpu_gemv.gemv(x, cpu_gemv.pack_panels(weight), bias, out_features, 64)
-    if cpu_gemv.PAIRED:  # AVX-512 BF16: the inputs rounded to bfloat16 first, then paired
+    if cpu_gemv.paired():  # AVX-512 BF16: the inputs rounded to bfloat16 first, then paired
         rounded = x.bfloat16().float()
         assert torch.equal(got, cpu_gemv.gemv(rounded, cpu_gemv.pack_panels(weight), bias,
                                               out_features, 64))
@@ -165,3 +165,26 @@ def test_smollm2_greedy_tokens_are_transformers_near_argmax(
             ours = getattr(ours, "logprob", ours)
             assert abs(ours - want[i, token].item()) < 0.1, (i, ours, want[i, token].item())
             assert want[i].max().item() - want[i, token].item() < 0.05, i
+
+
+def test_without_onednn_bf16_many_rows_take_float32_products_of_the_rounded_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bfloat16 product (AVX2), rows past ``GEMV_ROWS`` get oneDNN's
+    float32 product of the bfloat16-rounded weights, bit for bit; fewer rows still the
+    bfloat16 panels."""
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=gen))
+    monkeypatch.setattr(cpu_linear, "ONEDNN_BF16", False)
+    layer = cpu_linear.PackedLinear(linear, torch.bfloat16)
+    assert layer.packed.dtype == torch.float32 and layer.panels is not None
+    assert layer.panels.dtype == torch.bfloat16
+    rounded = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        rounded.weight.copy_(linear.weight.bfloat16().float())
+        rounded.bias.copy_(linear.bias)
+    x = torch.randn(cpu_linear.GEMV_ROWS + 9, 96, generator=gen)
+    assert torch.equal(layer(x), cpu_linear.PackedLinear(rounded)(x))
+    few = x[:5].bfloat16().float() if cpu_gemv.paired() else x[:5]  # paired: inputs rounded
+    torch.testing.assert_close(layer(x[:5]), rounded(few), atol=1e-4, rtol=1e-4)
