@@ -11,7 +11,7 @@
  * threads, so that one long sequence's chunks run on every core with the same bits.
  *
  * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. The
- * pools hold float32, or bfloat16 in cpu_bf16.c's build (kv_t, widened as they load). */
+ * pools hold float32, or bfloat16 in cpu_bf16.c's build (stored_t, widened as they load). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,15 +26,15 @@
  * bytes: the same bytes ahead, into L2 (random-26m's decode, 110 rows x 340 keys from memory,
  * AMD EPYC Zen 4, 4 runs each: 8 keys into L1 53-69 ns a key, 16 into L2 49-52 (79 once), 32
  * into L2 55-63; float32's 8 keys into L2 96-125 against L1's 112-125, left as it was) */
-#define PREFETCH (32 / (int)sizeof(kv_t))
+#define PREFETCH (32 / (int)sizeof(stored_t))
 #ifdef PAGEDQ_BF16
 #define PREFETCH_HINT _MM_HINT_T1
 #else
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
 
-static inline void prefetch_row(const kv_t *k, const kv_t *v, int64_t head_dim) {
-    for (int64_t d = 0; d < head_dim; d += 64 / (int64_t)sizeof(kv_t)) {
+static inline void prefetch_row(const stored_t *k, const stored_t *v, int64_t head_dim) {
+    for (int64_t d = 0; d < head_dim; d += 64 / (int64_t)sizeof(stored_t)) {
         _mm_prefetch((const char *)(k + d), PREFETCH_HINT);
         _mm_prefetch((const char *)(v + d), PREFETCH_HINT);
     }
@@ -44,7 +44,7 @@ static inline void prefetch_row(const kv_t *k, const kv_t *v, int64_t head_dim) 
  * key, 8 lanes over head_dim, an FMA chain in d's order, then sum8. Every key row is loaded
  * once for the G heads. */
 static inline __attribute__((always_inline)) void score_tile(
-        const float *qs, const kv_t *const *rows, int64_t head_dim, const int G, int64_t g0,
+        const float *qs, const stored_t *const *rows, int64_t head_dim, const int G, int64_t g0,
         float *scores, int64_t padded, int64_t t0) {
     __m256 a[QGROUP][8];
     for (int g = 0; g < G; g++)
@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) void score_tile(
         __m256 qv[QGROUP];
         for (int g = 0; g < G; g++) qv[g] = _mm256_load_ps(qs + (g0 + g) * head_dim + d);
         for (int k = 0; k < 8; k++) {
-            const __m256 kv = load8_kv(rows[k] + d);
+            const __m256 kv = load8_stored(rows[k] + d);
             for (int g = 0; g < G; g++) a[g][k] = _mm256_fmadd_ps(qv[g], kv, a[g][k]);
         }
     }
@@ -83,12 +83,13 @@ static inline float max_of(const float *x, int64_t n) {
  * (random-26m's 128 prompts: 98 GB a run from L2 and L3). Returns 0, or -1 where scratch
  * memory could not be had (m, s and acc are then undefined). */
 int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
-                         const kv_t *restrict k_cache, const kv_t *restrict v_cache,
-                         const int32_t *restrict table, int64_t t_begin,
-                         const int64_t *restrict t_end, float scale, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         int64_t kv_begin, int64_t kv_end, float *restrict m,
-                         float *restrict s, float *restrict acc, int64_t ld_m) {
+                              const stored_t *restrict k_cache,
+                              const stored_t *restrict v_cache, const int32_t *restrict table,
+                              int64_t t_begin, const int64_t *restrict t_end, float scale,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, int64_t kv_begin, int64_t kv_end,
+                              float *restrict m, float *restrict s, float *restrict acc,
+                              int64_t ld_m) {
     const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
     const int64_t g_begin = kv_begin * group, g_end = kv_end * group;
     const int64_t qsize = num_heads * head_dim;
@@ -142,7 +143,7 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
                     prefetch_row(k_cache + offsets[t0 + PREFETCH + k] + h * head_dim,
                                  v_cache + offsets[t0 + PREFETCH + k] + h * head_dim, head_dim);
         for (int64_t h = kv_begin; h < kv_end; h++) {
-            const kv_t *rows[8];
+            const stored_t *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
             for (int64_t i = 0; i < nq; i++) {
                 if (t0 >= t_end[i] - t_begin) continue;
@@ -202,7 +203,7 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
         for (int64_t h = kv_begin; h < kv_end; h++)
             for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                 const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
-                const kv_t *vh = v_cache + h * head_dim;
+                const stored_t *vh = v_cache + h * head_dim;
 #if PAIRED
                 const uint32_t *ppi = pp + i * num_heads * ldp;
                 const int64_t npairs = (length + 1) / 2;
@@ -231,9 +232,9 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
 /* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_parts, chunk
  * c's at m + c * num_heads, s + c * num_heads, acc + c * num_heads * head_dim: each rescaled
  * by exp(its max - the highest), summed in chunk order, divided by the summed s. */
-void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc, int64_t chunks,
-                           int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
-                           float *out) {
+void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc,
+                                 int64_t chunks, int64_t num_heads, int64_t head_dim,
+                                 int64_t g_begin, int64_t g_end, float *out) {
     for (int64_t g = g_begin; g < g_end; g++) {
         float top = m[g], denom = 0.0f, *o = out + g * head_dim;
         for (int64_t c = 1; c < chunks; c++) {

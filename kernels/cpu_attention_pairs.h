@@ -23,7 +23,7 @@
 /* The scores of 8 keys (rows[k], one KV head's) for the G query heads from g0, their scaled
  * queries as bfloat16 pairs at qp (head_dim / 2 a head). */
 static inline __attribute__((always_inline)) void score_tile_pairs(
-        const uint32_t *qp, const kv_t *const *rows, int64_t head_dim, const int G, int64_t g0,
+        const uint32_t *qp, const stored_t *const *rows, int64_t head_dim, const int G, int64_t g0,
         float *scores, int64_t padded, int64_t t0) {
     __m512 a[QGROUP][8];
     for (int g = 0; g < G; g++)
@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) void score_tile_pairs(
  * vdpbf16ps takes, lanes in the unpack's order, put back in head_dim's order at the end; 64
  * of head_dim at a time. */
 static inline __attribute__((always_inline)) void value_pass_pairs(
-        const uint32_t *pp, int64_t ldp, const kv_t *v, const int64_t *offsets, int64_t npairs,
+        const uint32_t *pp, int64_t ldp, const stored_t *v, const int64_t *offsets, int64_t npairs,
         const int G, int64_t g0, float *sums, int64_t head_dim) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
                                             22, 23);
@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void value_pass_pairs(
         for (int g = 0; g < G; g++)
             for (int c = 0; c < S; c++) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
         for (int64_t i = 0; i < npairs; i++) {
-            const kv_t *r0 = v + offsets[2 * i] + d0, *r1 = v + offsets[2 * i + 1] + d0;
+            const stored_t *r0 = v + offsets[2 * i] + d0, *r1 = v + offsets[2 * i + 1] + d0;
             __m512bh pl[2], ph[2];
             for (int c = 0; c < S; c++) {
                 const __m512i a = _mm512_loadu_si512(r0 + 32 * c);

@@ -13,11 +13,12 @@
  * heads at 8.8 GB/s, of 1 head at 4.4, a Xeon), or per KV head too where the chunks are too
  * few for the threads, so that one long sequence uses every core; then each row's chunks
  * combined in order. Returns 0, or -1 where scratch memory could not be had. */
-int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const kv_t *k_cache,
-                            const kv_t *v_cache, const int32_t *tables, int64_t table_stride,
-                            const int32_t *context_lens, int64_t rows, float scale, float *out,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t threads) {
+int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k_cache,
+                                  const stored_t *v_cache, const int32_t *tables,
+                                  int64_t table_stride, const int32_t *context_lens,
+                                  int64_t rows, float scale, float *out, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  int64_t threads) {
     /* row r's chunks are first_chunk[r] to first_chunk[r + 1], its tasks first_task[r] to
      * first_task[r + 1] */
     int64_t *first_chunk = malloc(sizeof(int64_t) * (size_t)(2 * rows + 2));
@@ -48,11 +49,12 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const kv_t *k_cac
         const int64_t h = (task - first_task[r]) % split * (num_kv_heads / split);
         const int64_t part = first_chunk[r] + c, end = (c + 1) * CHUNK;
         const int64_t t_end = end < context_lens[r] ? end : context_lens[r];
-        if (NAME(pagedq_attend_parts)(q + r * ldq, 0, 1, k_cache, v_cache, tables + r * table_stride,
-                                c * CHUNK, &t_end, scale, num_heads, num_kv_heads, head_dim,
-                                block_size, h, h + num_kv_heads / split,
-                                part_m + part * num_heads, part_s + part * num_heads,
-                                part_acc + part * q_size, 0) != 0) {
+        if (NAME(pagedq_attend_parts)(q + r * ldq, 0, 1, k_cache, v_cache,
+                                      tables + r * table_stride, c * CHUNK, &t_end, scale,
+                                      num_heads, num_kv_heads, head_dim, block_size, h,
+                                      h + num_kv_heads / split, part_m + part * num_heads,
+                                      part_s + part * num_heads, part_acc + part * q_size,
+                                      0) != 0) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -79,11 +81,11 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const kv_t *k_cac
  * pagedq_decode_attention gives each token alone. The tiles run on `threads` threads, largest
  * first as the caller orders them. Returns 0, or -1 where scratch memory could not be had (out
  * is then undefined). */
-int NAME(pagedq_prefill)(const float *q, const kv_t *k_cache, const kv_t *v_cache,
-                    const int32_t *tables, int64_t table_stride, const int64_t *tiles,
-                    int64_t ntiles, float scale, float *out, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                    int64_t threads) {
+int NAME(pagedq_prefill)(const float *q, const stored_t *k_cache, const stored_t *v_cache,
+                          const int32_t *tables, int64_t table_stride, const int64_t *tiles,
+                          int64_t ntiles, float scale, float *out, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          int64_t threads) {
     const int64_t qsize = num_heads * head_dim;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

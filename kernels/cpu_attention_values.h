@@ -21,7 +21,7 @@
 #define VW 16
 typedef __m512 vsum;
 #define VZERO _mm512_setzero_ps
-#define VLOAD_KV load16_kv
+#define VLOAD_KV load16_stored
 #define VSTORE _mm512_storeu_ps
 #define VFMA _mm512_fmadd_ps
 #define VSET1 _mm512_set1_ps
@@ -29,7 +29,7 @@ typedef __m512 vsum;
 #define VW 8
 typedef __m256 vsum;
 #define VZERO _mm256_setzero_ps
-#define VLOAD_KV load8_kv
+#define VLOAD_KV load8_stored
 #define VSTORE _mm256_storeu_ps
 #define VFMA _mm256_fmadd_ps
 #define VSET1 _mm256_set1_ps
@@ -43,14 +43,14 @@ typedef __m256 vsum;
  * interleave, where a tile's store and reload had put each chain's latency in the way (half
  * the attention's time in perf, SmolLM2's shapes). */
 static inline __attribute__((always_inline)) void value_slab(
-        const float *scores, int64_t stride, const kv_t *v, const int64_t *offsets,
+        const float *scores, int64_t stride, const stored_t *v, const int64_t *offsets,
         int64_t length, const int G, const int S, int64_t g0, float *sums, int64_t head_dim,
         int64_t d0) {
     vsum x[QGROUP][SLAB];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < S; j++) x[g][j] = VZERO();
     for (int64_t t = 0; t < length; t++) {
-        const kv_t *row = v + offsets[t] + d0;
+        const stored_t *row = v + offsets[t] + d0;
         vsum vv[SLAB];
         for (int j = 0; j < S; j++) vv[j] = VLOAD_KV(row + j * VW);
         for (int g = 0; g < G; g++) {
@@ -65,12 +65,12 @@ static inline __attribute__((always_inline)) void value_slab(
 #ifdef __AVX512F__
 /* value_slab for the last 8 lanes of a head_dim that 16 does not divide */
 static inline __attribute__((always_inline)) void value_tail8(
-        const float *scores, int64_t stride, const kv_t *v, const int64_t *offsets,
+        const float *scores, int64_t stride, const stored_t *v, const int64_t *offsets,
         int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim, int64_t d0) {
     __m256 x[QGROUP];
     for (int g = 0; g < G; g++) x[g] = _mm256_setzero_ps();
     for (int64_t t = 0; t < length; t++) {
-        const __m256 vv = load8_kv(v + offsets[t] + d0);
+        const __m256 vv = load8_stored(v + offsets[t] + d0);
         for (int g = 0; g < G; g++)
             x[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(g0 + g) * stride + t]), vv, x[g]);
     }
@@ -80,7 +80,7 @@ static inline __attribute__((always_inline)) void value_tail8(
 
 /* Every value slab of the G query heads from g0 (KV head h's values at v). */
 static inline __attribute__((always_inline)) void value_pass(
-        const float *scores, int64_t stride, const kv_t *v, const int64_t *offsets,
+        const float *scores, int64_t stride, const stored_t *v, const int64_t *offsets,
         int64_t length, const int G, int64_t g0, float *sums, int64_t head_dim) {
     int64_t d0 = 0;
     for (; d0 + SLAB * VW <= head_dim; d0 += SLAB * VW)

@@ -58,8 +58,8 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
             goto fail;
         pagedq_rotary(qkv, qkv_size, qkv + q_size, qkv_size, cos, sin, positions, q, k, rows,
                       heads, kv_heads, head_dim, 1);
-        NAME(pagedq_store_kv)(k, kv_size, qkv + q_size + kv_size, qkv_size, (kv_t *)t[K_CACHE],
-                              (kv_t *)t[V_CACHE], slots, rows, kv_size);
+        NAME(pagedq_store_kv)(k, kv_size, qkv + q_size + kv_size, qkv_size, (stored_t *)t[K_CACHE],
+                              (stored_t *)t[V_CACHE], slots, rows, kv_size);
         if (NAME(pagedq_decode_attention)(q, q_size, t[K_CACHE], t[V_CACHE], tables,
                                           table_stride, context_lens, rows, scale, attn, heads,
                                           kv_heads, head_dim, dims[BLOCK_SIZE], threads) != 0 ||

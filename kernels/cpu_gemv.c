@@ -28,13 +28,7 @@
 typedef __m512 vec16;
 static inline vec16 zero16(void) { return _mm512_setzero_ps(); }
 static inline vec16 load16(const float *p) { return _mm512_loadu_ps(p); }
-static inline vec16 load16_w(const weight_t *p) {
-#ifdef PAGEDQ_BF16
-    return widen16(p);
-#else
-    return _mm512_loadu_ps(p);
-#endif
-}
+static inline vec16 load16_w(const stored_t *p) { return load16_stored(p); }
 static inline vec16 fma16(float a, vec16 b, vec16 c) {
     return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c);
 }
@@ -48,12 +42,8 @@ static inline vec16 zero16(void) { return (vec16){_mm256_setzero_ps(), _mm256_se
 static inline vec16 load16(const float *p) {
     return (vec16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
 }
-static inline vec16 load16_w(const weight_t *p) {
-#ifdef PAGEDQ_BF16
-    return (vec16){widen8(p), widen8(p + 8)};
-#else
-    return load16(p);
-#endif
+static inline vec16 load16_w(const stored_t *p) {
+    return (vec16){load8_stored(p), load8_stored(p + 8)};
 }
 static inline vec16 fma16(float a, vec16 b, vec16 c) {
     const __m256 s = _mm256_set1_ps(a);
@@ -101,7 +91,7 @@ typedef float input_t;
  * asks the memory for the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and
  * pf2_lines (see pagedq_gemv). */
 static inline __attribute__((always_inline)) void tile(
-        const input_t *x, int64_t ldx, const int rows, const int panels, const weight_t *w,
+        const input_t *x, int64_t ldx, const int rows, const int panels, const stored_t *w,
         const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
         const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
         int64_t pf2_lines) {
@@ -152,9 +142,9 @@ static inline __attribute__((always_inline)) void tile(
 
 /* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS), as constants. */
 static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels,
-                     const weight_t *w, const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
-                     const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
-                     int64_t pf2_lines) {
+                     const stored_t *w, const float *bias, float *y, int64_t ldy, int64_t k,
+                     int64_t block, const int64_t *lanes, const char *pf, int64_t pf_lines,
+                     const char *pf2, int64_t pf2_lines) {
 #define TILE_CASE(R)                                                                        \
     case R:                                                                                 \
         if (panels == PANELS)                                                               \
@@ -183,7 +173,7 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each
  * group's rows in tiles of TILE (its weights read again per tile, from the cache). Returns 0,
  * or -1 where the paired inputs' memory could not be had (y is then undefined). */
-int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
+int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads) {
     const int64_t panels = (n + 15) / 16, groups = (panels + PANELS - 1) / PANELS;
@@ -212,7 +202,7 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t 
         const char *next = (const char *)(w + (p0 + PANELS) * steps * STEP_ELEMS);
         const int64_t next_panels = panels - p0 - np < PANELS ? panels - p0 - np : PANELS;
         const int64_t lines = g + 1 < groups && rows > 1
-            ? next_panels * steps * STEP_ELEMS * (int64_t)sizeof(weight_t) / 64 : 0;
+            ? next_panels * steps * STEP_ELEMS * (int64_t)sizeof(stored_t) / 64 : 0;
         const int64_t tiles = (rows + TILE - 1) / TILE;
         for (int64_t t = 0; t < tiles; t++) {
             /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */

@@ -7,13 +7,14 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The element types of the weights (cpu_gemv.c's panels) and of the KV pools: float32, or
- * bfloat16 where cpu_bf16.c compiles the same sources again with PAGEDQ_BF16 defined (NAME()
+/* stored_t, the element type of the weights (cpu_gemv.c's panels) and of the KV pools: float32,
+ * or bfloat16 where cpu_bf16.c compiles the same sources again with PAGEDQ_BF16 defined (NAME()
  * gives that build's functions their _bf16 names). A bfloat16 is a float's upper 16 bits, so
  * the loads below widen it exactly and every sum runs in float32 as in the float32 build: the
  * bfloat16 build halves the bytes the memory-bound products and attention read (llama.cpp's
- * F16 shape: 16-bit weights and cache, float32 activations). Only the products on CPUs with
- * AVX-512 BF16 compute otherwise: on inputs rounded to bfloat16, in pairs (cpu_gemv.c). */
+ * F16 shape: 16-bit weights and cache, float32 activations). Only on CPUs with AVX-512 BF16
+ * do the products and the attention compute otherwise: on inputs rounded to bfloat16, in
+ * pairs. */
 /* PAIRED: the bfloat16 build on a CPU with AVX-512 BF16, whose products and attention take
  * bfloat16 pairs (cpu_gemv.c, cpu_attention_pairs.h) */
 #if defined(PAGEDQ_BF16) && defined(__AVX512BF16__)
@@ -22,12 +23,10 @@
 #define PAIRED 0
 #endif
 #ifdef PAGEDQ_BF16
-typedef uint16_t weight_t;
-typedef uint16_t kv_t;
+typedef uint16_t stored_t;
 #define NAME(f) f##_bf16
 #else
-typedef float weight_t;
-typedef float kv_t;
+typedef float stored_t;
 #define NAME(f) f
 #endif
 
@@ -65,8 +64,8 @@ static inline void to_pairs(const float *x, int64_t k, uint32_t *out) {
 }
 #endif
 
-/* 8 (16) of a KV pool's elements as floats */
-static inline __m256 load8_kv(const kv_t *p) {
+/* 8 (16) stored elements (weights, a pool's) as floats */
+static inline __m256 load8_stored(const stored_t *p) {
 #ifdef PAGEDQ_BF16
     return widen8(p);
 #else
@@ -74,7 +73,7 @@ static inline __m256 load8_kv(const kv_t *p) {
 #endif
 }
 #ifdef __AVX512F__
-static inline __m512 load16_kv(const kv_t *p) {
+static inline __m512 load16_stored(const stored_t *p) {
 #ifdef PAGEDQ_BF16
     return widen16(p);
 #else
@@ -86,23 +85,24 @@ static inline __m512 load16_kv(const kv_t *p) {
 /* a token's attention is computed in chunks of this many key positions (cpu_attention.c) */
 #define CHUNK 256
 
-int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const weight_t *w,
+int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads);
-int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq, const kv_t *k_cache,
-                        const kv_t *v_cache, const int32_t *table, int64_t t_begin,
-                        const int64_t *t_end, float scale, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        int64_t kv_begin, int64_t kv_end, float *m, float *s, float *acc,
-                        int64_t ld_m);
-void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc, int64_t chunks,
-                           int64_t num_heads, int64_t head_dim, int64_t g_begin, int64_t g_end,
-                           float *out);
-int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const kv_t *k_cache,
-                            const kv_t *v_cache, const int32_t *tables, int64_t table_stride,
-                            const int32_t *context_lens, int64_t rows, float scale, float *out,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t threads);
+int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq,
+                              const stored_t *k_cache, const stored_t *v_cache,
+                              const int32_t *table, int64_t t_begin, const int64_t *t_end,
+                              float scale, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, int64_t kv_begin,
+                              int64_t kv_end, float *m, float *s, float *acc, int64_t ld_m);
+void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc,
+                                 int64_t chunks, int64_t num_heads, int64_t head_dim,
+                                 int64_t g_begin, int64_t g_end, float *out);
+int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k_cache,
+                                  const stored_t *v_cache, const int32_t *tables,
+                                  int64_t table_stride, const int32_t *context_lens,
+                                  int64_t rows, float scale, float *out, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  int64_t threads);
 void pagedq_rms_norm(const float *x, const float *residual, const float *weight, float eps,
                      float *out, float *res_out, int64_t rows, int64_t size, int64_t threads);
 void pagedq_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *cos,
