@@ -133,10 +133,3 @@ def typed(name: str, dtype: torch.dtype) -> Callable[..., Any] | None:
     suffix = _TYPED.get(dtype)
     return None if suffix is None else function(name + suffix)
 
-
-def required(name: str) -> Callable[..., Any]:
-    """``function(name)``, for callers that chose the C path: raises where it cannot be had."""
-    found = function(name)
-    if found is None:
-        raise RuntimeError(f"{name}: the C kernels could not be built on this machine")
-    return found
