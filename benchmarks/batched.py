@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="pagedq's (bfloat16: bf16 weights and KV, float32 activations)")
     args = p.parse_args(argv)
     if why := llamacpp.missing("f32") or llamacpp.missing("f16"):
         sys.exit(f"llama.cpp peer missing: {why}")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     # start afresh each round), and skip the prefill
     prompts = [[common.random_prompt(rng, ids, args.prompt_len) for _ in range(args.concurrent)]
                for _ in range(args.rounds)]
-    llm = LLM(str(path), dtype="float32", device="cpu")
+    llm = LLM(str(path), dtype=args.dtype, device="cpu")
     run_pagedq(llm, [common.random_prompt(rng, ids, 8)], 4)  # warm-up: numba's first calls
     ctx = args.prompt_len + args.max_tokens + 16
     servers = {way: llamacpp.LlamaServer(kind, threads=threads, slots=args.concurrent, ctx=ctx,
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             row["tok_s"] = args.concurrent * args.max_tokens / row["seconds"]
             row["load"] = common.load_average()
     print(f"\n== {args.concurrent} concurrent requests: SmolLM2, {args.prompt_len}-token prompts, "
-          f"{args.max_tokens} new tokens, greedy, {threads} threads ==")
+          f"{args.max_tokens} new tokens, greedy, pagedq {args.dtype}, {threads} threads ==")
     print(common.format_table(
         ["way", "round", "seconds", "output tok/s", "pagedq x", "same tokens", "load"],
         [[r["way"], r["round"], r["seconds"], r["tok_s"],
