@@ -53,7 +53,7 @@ class PackedLinear(DirectModule):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.panels: torch.Tensor | None
         if weight_dtype != torch.float32:
-            # no sums to pair: oneDNN rounds the inputs of its bfloat16 products, cpu_gemv not
+            # no probe: oneDNN's bfloat16 (or float32) product and cpu_gemv's sum otherwise
             self.pad_single_row = False
             self.panels, self.block = ((cpu_gemv.pack_panels(weight), self.in_features)
                                        if cpu_gemv.available() else (None, 0))

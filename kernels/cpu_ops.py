@@ -136,22 +136,20 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     prefill's rows of random-26m, a layer, took numba's loop 0.29 ms and it 0.12, pool pages
     resident. In a run most of a store is the first write of the pool's pages (1.6 ms a
     layer): the pool is left uninitialised (``ModelRunner``), as it is by design."""
-    c_pool = k_cache.dtype == v_cache.dtype and k_cache.device.type == "cpu"
-    native = cpu_native.typed("pagedq_store_kv", k_cache.dtype) if c_pool else None
-    if not cpu_float32(key, value) or (native is None and not cpu_float32(k_cache, v_cache)):
-        reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-        return
+    c_store = (cpu_float32(key, value) and k_cache.dtype == v_cache.dtype
+               and k_cache.device.type == "cpu")
+    native = cpu_native.typed("pagedq_store_kv", k_cache.dtype) if c_store else None
     if (native is not None and _rows(key) and _rows(value) and k_cache.is_contiguous()
             and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous()):
         native(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
                key.shape[1] * key.shape[2])
-        return
-    if not cpu_float32(k_cache, v_cache):
+    elif cpu_float32(key, value, k_cache, v_cache):
+        _store(key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(),
+               slot_mapping.numpy())
+    else:
         reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-        return
-    _store(key.numpy(), value.numpy(), k_cache.numpy(), v_cache.numpy(), slot_mapping.numpy())
 
 
 def _c_attention(name: str, q: torch.Tensor, k_cache: torch.Tensor,
