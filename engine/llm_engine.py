@@ -67,7 +67,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.limits = Limits(self.vocab_size, self.max_model_len, config.block_size, num_blocks,
                              config.max_num_seqs)
-        self.kv_blocks_peak, self.kv_utilization_at_peak = 0, 0.0
         self.tokens_generated = 0
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
                  activations=str(self.model_runner.model.model.embed_tokens.weight.dtype),
@@ -170,10 +169,33 @@ class LLMEngine:
         sampled, logits, results = self.beam_search.step(sampled, logits)
         for delta in results:
             del self.requests[delta.request_id]
+        seqs = sampled
+        if any(seq.pending_forks for seq in sampled):  # prompts computed: n samples part here
+            logits, seqs = self._fork(sampled, logits)
+        out = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
+        self.tokens_generated += len(seqs)
+        deltas: dict[str, list[SampleDelta]] = {}
+        for i, seq in enumerate(seqs):
+            deltas.setdefault(seq.request_id, []).append(
+                self._append(seq, out.token_ids[i], out.logprobs[i]))
+        self.block_manager.record_use(self.scheduler.running)
+        for request_id, samples in deltas.items():
+            # a request finishes on a step one of its samples does
+            finished = (any(sample.finish_reason for sample in samples)
+                        and self.requests[request_id].finished)
+            if finished:
+                del self.requests[request_id]
+            results.append(RequestDelta(request_id, samples, finished))
+        return results
+
+    def _fork(self, sampled: list[Sequence],
+              logits: torch.Tensor) -> tuple[torch.Tensor, list[Sequence]]:
+        """Each sampled sequence with its samples still to fork, followed by them, and the
+        logits repeated to match."""
         rows, seqs = [], []
         for row, seq in enumerate(sampled):
             group = [seq]
-            if seq.pending_forks:  # the prompt is computed: the n samples part here
+            if seq.pending_forks:
                 group += self.scheduler.fork(seq)
                 request = self.requests[seq.request_id]
                 for child in group[1:]:
@@ -181,26 +203,12 @@ class LLMEngine:
                     request.detokenizers[child.seq_id] = Detokenizer(self.tokenizer, seq.params)
             rows += [row] * len(group)
             seqs += group
-        if len(seqs) > len(sampled):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        out = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
-        deltas: dict[str, list[SampleDelta]] = {}
-        for i, seq in enumerate(seqs):
-            deltas.setdefault(seq.request_id, []).append(
-                self._append(seq, out.token_ids[i], out.logprobs[i]))
-        self._record_kv_use()
-        for request_id, samples in deltas.items():
-            finished = self.requests[request_id].finished
-            if finished:
-                del self.requests[request_id]
-            results.append(RequestDelta(request_id, samples, finished))
-        return results
+        return logits[torch.tensor(rows, device=logits.device)], seqs
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> SampleDelta:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        self.tokens_generated += 1
         params = seq.params
         reason = None
         if (token in params.stop_token_ids
@@ -217,19 +225,6 @@ class LLMEngine:
         return SampleDelta(seq.index, [token], detokenizer.pop_delta(finished=reason is not None),
                            [logprobs] if logprobs is not None else None, reason)
 
-    def _record_kv_use(self) -> None:
-        used = self.block_manager.num_used_blocks
-        if used >= self.kv_blocks_peak:
-            self.kv_blocks_peak = used
-            self.kv_utilization_at_peak = self.kv_utilization()
-
-    def kv_utilization(self) -> float:
-        """Slots holding KV over slots in allocated blocks."""
-        return self._utilization(*self.block_manager.held_slots(self.scheduler.running))
-
-    def _utilization(self, held: int, blocks: int) -> float:
-        return held / (blocks * self.config.block_size) if blocks else 0.0
-
     def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
         held, blocks = bm.held_slots(self.scheduler.running)
@@ -239,9 +234,9 @@ class LLMEngine:
             "kv_bytes_per_token": self.model_runner.kv_bytes_per_token,  # K and V, all layers
             "kv_blocks_total": len(bm.blocks),
             "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_peak": self.kv_blocks_peak,
-            "kv_utilization": self._utilization(held, blocks),
-            "kv_utilization_at_peak": self.kv_utilization_at_peak,
+            "kv_blocks_peak": bm.peak_blocks,
+            "kv_utilization": bm.utilization(held, blocks),
+            "kv_utilization_at_peak": bm.utilization_at_peak,
             "tokens_in_cache": held,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,

@@ -133,16 +133,19 @@ class ModelRunner:
         for j in order:
             seq, num_new = batch.seqs[j], batch.num_new_tokens[j]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            step.input_ids += seq.token_ids[start:end]
-            step.positions += range(start, end)
-            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs
-                                  for p in range(start, end)]
-            step.block_tables.append(seq.block_table)
-            step.context_lens.append(end)
-            if num_new == 1:
+            if num_new == 1:  # a decode row: no slices
+                step.input_ids.append(seq.token_ids[start])
+                step.positions.append(start)
+                step.slot_mapping.append(seq.block_table[start // bs] * bs + start % bs)
                 step.num_decode += 1
             else:
+                step.input_ids += seq.token_ids[start:end]
+                step.positions += range(start, end)
+                step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs
+                                      for p in range(start, end)]
                 step.cu_seqlens.append(step.cu_seqlens[-1] + num_new)
+            step.block_tables.append(seq.block_table)
+            step.context_lens.append(end)
             if end == len(seq):  # the chunk reaches the end: this step samples its next token
                 step.logit_rows.append(len(step.input_ids) - 1)
                 sample_seqs.append(seq)

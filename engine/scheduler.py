@@ -90,10 +90,11 @@ class Scheduler:
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
-            unit = self.running[i:self._unit_end(i)]
+            seq = self.running[i]
+            unit = [seq] if seq.group is None else self.running[i:self._unit_end(i)]
             mark = len(out.seqs), len(out.copies), budget
             for seq in unit:
-                num_new = min(len(seq) - seq.num_computed_tokens, budget)
+                num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
                 if num_new == 0:  # a beam that waits for its siblings' logits, or no budget
                     continue
                 while not self.block_manager.append_slots(seq, num_new, out.copies):

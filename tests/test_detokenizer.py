@@ -2,6 +2,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import Detokenizer
@@ -33,6 +34,15 @@ def tok() -> PreTrainedTokenizerFast:
     bpe.train_from_iterator(CORPUS * 3, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
                                    clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(autouse=True, params=["stream", "window"])
+def path(request, monkeypatch) -> str:
+    """Every test on both paths: the Rust tokenizer's DecodeStream, and the decoded windows a
+    tokenizer without a plain Rust decode takes (its transformers ``decode``)."""
+    if request.param == "window":
+        monkeypatch.setattr("engine.detokenizer.rust_tokenizer", lambda tokenizer: None)
+    return request.param
 
 
 def encode(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
@@ -106,8 +116,9 @@ def test_special_tokens(tok, skip):
     assert ("<|endoftext|>" in detok.text) != skip
 
 
-def test_window_stays_small(tok, monkeypatch):
-    """Each step decodes a few recent tokens, never the whole output."""
+def test_window_stays_small(tok, monkeypatch, path):
+    """Each step decodes a few recent tokens, never the whole output (the stream decodes
+    windows only for a tail that ends mid-character)."""
     ids = encode(tok, " ".join(TEXTS * 4))
     lengths = []
     original = Detokenizer._decode
@@ -120,6 +131,9 @@ def test_window_stays_small(tok, monkeypatch):
     detok, _, _ = stream(tok, ids, SamplingParams())
     assert detok.text == tok.decode(ids)
     assert len(ids) > 100 and max(lengths) <= 6
+    # the stream decoded 328 windows for 519 tokens here (this tokenizer splits most CJK
+    # characters), the windows two a token
+    assert len(lengths) < len(ids) if path == "stream" else len(lengths) == 2 * len(ids)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -163,3 +177,25 @@ def test_stop_in_a_multi_token_chunk(tok):
     ids = encode(tok, text)
     detok, deltas, stopped_at = stream(tok, ids, SamplingParams(stop=["世界"]), [len(ids)])
     assert stopped_at == 0 and detok.text == "".join(deltas) == "你好，"
+
+
+def test_stream_error_falls_back_to_windows(tok, monkeypatch):
+    """DecodeStream raises on tokenizers whose window text does not start with the prefix's
+    ("invalid prefix", seen by vLLM); the detokenizer then decodes windows, text unchanged.
+    No tokenizer here raises, so a stream that fails at the 7th token stands in for one."""
+    real = DecodeStream
+
+    class FailingStream:
+        def __init__(self, **kwargs):
+            self.stream, self.count = real(**kwargs), 0
+
+        def step(self, tokenizer, token):
+            self.count += 1
+            if self.count == 7:
+                raise Exception("Invalid prefix encountered")
+            return self.stream.step(tokenizer, token)
+
+    ids = encode(tok, TEXTS[2])
+    monkeypatch.setattr("engine.detokenizer.DecodeStream", FailingStream)
+    detok, deltas, _ = stream(tok, ids, SamplingParams(), [3, 5] + [1] * (len(ids) - 8))
+    assert detok._stream is None and "".join(deltas) == detok.text == tok.decode(ids)
