@@ -85,7 +85,7 @@ class Detokenizer:
     def text(self) -> str:
         """The output text: `tokenizer.decode(output ids)`, cut at a stop string. O(length)."""
         self._out = ["".join(self._out)]
-        return self._out[0] + "".join(self._ready) + self._recent
+        return self._out[0] + "".join(self._ready) + self._recent + self._held_tail()
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -97,7 +97,7 @@ class Detokenizer:
     def add(self, token_ids: list[int]) -> bool:
         """Append output tokens. True if a stop string now occurs: text is cut there and the
         sequence is done, so add is not called again."""
-        text, pending = self._advance(token_ids)
+        text, pending = self._advance(token_ids, tail=bool(self.params.stop))
         # _recent keeps just the settled text a stop string may start in (the text before it
         # was searched on earlier calls), then the new text, of which `pending` chars unsettled.
         self._recent = self._recent[: len(self._recent) - self._pending] + text
@@ -114,11 +114,13 @@ class Detokenizer:
             self._recent = self._recent[cut:]
         return False
 
-    def _advance(self, token_ids: list[int]) -> tuple[str, int]:
+    def _advance(self, token_ids: list[int], tail: bool) -> tuple[str, int]:
         """Takes the new tokens; returns the text since the last settled token and how many of
         its characters are unsettled: a tail that ends mid-character (U+FFFD), which the next
-        token may complete. The stream, where there is one, decides what is settled; a window
-        decodes only the unsettled tail."""
+        token may complete. The stream, where there is one, decides what is settled, and the
+        tail is decoded only if asked for (stop strings to search); else it waits for
+        ``_held_tail``. Random token ids, as in the benchmarks' random models, end mid-character
+        on most tokens: decoding their tails each step undid the stream's gain."""
         settled: list[str] = []
         rest = token_ids
         if self._stream is not None and self._rust is not None:
@@ -135,16 +137,27 @@ class Detokenizer:
             else:
                 rest = []
         self.token_ids.extend(rest)
-        if self._read_offset == len(self.token_ids):
+        if self._read_offset == len(self.token_ids) or (self._stream is not None and not tail):
             return "".join(settled), 0
+        unsettled = self._tail()
+        if self._stream is None and not unsettled.endswith(REPLACEMENT_CHAR):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            return "".join(settled) + unsettled, 0
+        # Mid-character: keep the window so the next decode sees the whole character.
+        return "".join(settled) + unsettled, len(unsettled)
+
+    def _tail(self) -> str:
+        """The text of the tokens after the read offset, decoded in a window from the prefix
+        offset."""
         window = self.token_ids[self._prefix_offset:]
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
-        tail = self._decode(window)[len(prefix_text):]
-        if self._stream is None and not tail.endswith(REPLACEMENT_CHAR):
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-            return "".join(settled) + tail, 0
-        # Mid-character: keep the window so the next decode sees the whole character.
-        return "".join(settled) + tail, len(tail)
+        return self._decode(window)[len(prefix_text):]
+
+    def _held_tail(self) -> str:
+        """The unsettled tail that the stream holds and ``add`` did not decode; else ''."""
+        held = (self._stream is not None and not self.params.stop
+                and self._read_offset < len(self.token_ids))
+        return self._tail() if held else ""
 
     def resume(self, token_ids: list[int], emitted_chars: int) -> None:
         """Continue a sequence begun elsewhere: its output tokens so far, of whose text the
@@ -158,8 +171,9 @@ class Detokenizer:
         """Text not handed out yet. While running, hold back the unsettled tail and the last
         `longest stop - 1` settled characters, so nothing handed out is ever cut later."""
         if finished:
-            self._ready.append(self._recent)
+            self._ready.append(self._recent + self._held_tail())
             self._recent = ""
+            self._read_offset = len(self.token_ids)  # the held tail is out too
         delta = "".join(self._ready)
         self._out.append(delta)
         self._ready = []

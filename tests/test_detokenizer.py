@@ -76,9 +76,10 @@ def test_deltas_concatenate_to_decode(tok, text):
     assert all("\ufffd" not in d for d in deltas)  # no partial character is ever handed out
 
 
-def test_text_tracks_decode_while_running(tok):
+@pytest.mark.parametrize("stop", [["never matches"], []])  # with no stop, tails wait undecoded
+def test_text_tracks_decode_while_running(tok, stop):
     ids = encode(tok, TEXTS[1] + TEXTS[2])
-    detok = Detokenizer(tok, SamplingParams(stop=["never matches"]))
+    detok = Detokenizer(tok, SamplingParams(stop=stop))
     for n in range(len(ids)):
         assert not detok.add(ids[n:n + 1])
         assert detok.text == tok.decode(ids[: n + 1])
@@ -130,10 +131,9 @@ def test_window_stays_small(tok, monkeypatch, path):
     monkeypatch.setattr(Detokenizer, "_decode", spy)
     detok, _, _ = stream(tok, ids, SamplingParams())
     assert detok.text == tok.decode(ids)
-    assert len(ids) > 100 and max(lengths) <= 6
-    # the stream decoded 328 windows for 519 tokens here (this tokenizer splits most CJK
-    # characters), the windows two a token
-    assert len(lengths) < len(ids) if path == "stream" else len(lengths) == 2 * len(ids)
+    assert len(ids) > 100 and max(lengths, default=0) <= 6
+    # with no stop string to search, the stream leaves its held tail undecoded until the end
+    assert len(lengths) == (0 if path == "stream" else 2 * len(ids))
 
 
 @pytest.mark.parametrize("include", [False, True])
