@@ -1,4 +1,4 @@
-"""The CPU's counterpart of ``engine.cuda_graph``: decode steps of up to ``MAX_ROWS``
+"""The CPU's counterpart of ``engine.cuda_graph``: decode steps of up to ``max_rows``
 sequences run as one native call (``kernels.cpu_decode``) in place of the model's modules.
 
 Why: at one stream a SmolLM2 step took 21 ms, of which the linear layers, at the memory's
@@ -18,18 +18,19 @@ import torch
 
 import kernels
 from engine.context import Context
-from engine.cpu_linear import GEMV_ROWS, PackedLinear
+from engine.cpu_linear import PackedLinear
 from engine.models import LlamaForCausalLM
 from kernels import cpu_decode
 
-MAX_ROWS = GEMV_ROWS  # decode steps of up to this many sequences run natively (the products'
-# rows: past them oneDNN, which the C step does not call)
-
 
 class CpuDecode:
-    def __init__(self, model: LlamaForCausalLM, step: cpu_decode.DecodeStep) -> None:
+    def __init__(self, model: LlamaForCausalLM, step: cpu_decode.DecodeStep,
+                 max_rows: int) -> None:
         self.model = model
         self.step = step
+        # decode steps of up to this many sequences run natively: the rows the products take
+        # through cpu_gemv (past them oneDNN, which the C step does not call)
+        self.max_rows = max_rows
 
     @classmethod
     def bind(cls, model: LlamaForCausalLM, block_size: int) -> "CpuDecode | None":
@@ -80,13 +81,12 @@ class CpuDecode:
         norm = body.norm
         step = cpu_decode.DecodeStep(dims, tensors, norm.weight.detach(), attn.rotary.cos,
                                      attn.rotary.sin, norm.eps, attn.attn.scale)
-        return cls(model, step)
+        return cls(model, step, min(m.gemv_rows for m in linears))
 
-    @staticmethod
-    def can_run(ctx: Context, num_tokens: int) -> bool:
-        """A step of 1 to ``MAX_ROWS`` single-token decodes, in one group (as the ``"cpu"``
+    def can_run(self, ctx: Context, num_tokens: int) -> bool:
+        """A step of 1 to ``max_rows`` single-token decodes, in one group (as the ``"cpu"``
         backend groups them)."""
-        return (0 < num_tokens <= MAX_ROWS and ctx.num_decode_tokens == num_tokens
+        return (0 < num_tokens <= self.max_rows and ctx.num_decode_tokens == num_tokens
                 and len(ctx.decode_groups) == 1)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -32,6 +32,12 @@ _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe fou
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
 ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# bfloat16 weights where oneDNN has AMX tiles: past a few rows its product leads cpu_gemv's
+# AVX-512 BF16 pairs (a Xeon with AMX, 2 threads, cold weights; random-26m's 32 layers / SmolLM2's
+# 120: 8 rows 2.16 / 10.4 ms against oneDNN's 1.90 / 13.1, 16 rows 3.90 / 17.6 against 2.22 /
+# 12.7, 64 rows 14.9 / 63.8 against 4.02 / 18.5, 256 rows 60.7 / 270 against 10.3 / 43.2).
+GEMV_ROWS_AMX = 8
+AMX_BF16 = ONEDNN_BF16 and cpu_native.cpu_has("amx_bf16", "amx_tile")
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -51,6 +57,9 @@ class PackedLinear(DirectModule):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.product_dtype),
                                                               _BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # up to this many rows through cpu_gemv's panels, where the layer has them
+        self.gemv_rows = (GEMV_ROWS_AMX if weight_dtype == torch.bfloat16 and AMX_BF16
+                          else GEMV_ROWS)
         self.panels: torch.Tensor | None
         if weight_dtype != torch.float32:
             # no probe: oneDNN's bfloat16 (or float32) product and cpu_gemv's sum otherwise
@@ -102,7 +111,7 @@ class PackedLinear(DirectModule):
         twice where the probe at load saw it differ. Free at that size (161 against 164 us).
         bfloat16 weights keep that only within each side of ``GEMV_ROWS``: the two sum in
         other orders."""
-        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= GEMV_ROWS
+        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows
                 and x.stride(1) == 1):
             return cpu_gemv.gemv(x, self.panels, self.bias, self.out_features, self.block)
         if self.pad_single_row and x.shape[0] == 1 and x.dim() == 2:

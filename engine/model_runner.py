@@ -53,7 +53,7 @@ class ModelRunner:
         self.linear_rows = few_rows_path(self.model)  # cpu_gemv or oneDNN, for the log
         self.kv_scales = bind_kv_cache(self.model, self.kv_cache,
                                        read_kv_scales(path, num_layers), calculate_kv_scales)
-        # decode steps (up to cpu_decode.MAX_ROWS sequences) as one native call on the CPU,
+        # decode steps (up to CpuDecode.max_rows sequences) as one native call on the CPU,
         # where it binds
         self.cpu_decode = CpuDecode.bind(self.model, block_size) if device.type == "cpu" else None
         self.graphs = None

@@ -10,7 +10,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.context import Context, DecodeGroup, set_context
-from engine.cpu_decode import MAX_ROWS
 from engine.cpu_linear import GEMV_ROWS
 from engine.model_runner import ModelRunner
 from kernels import cpu_decode, cpu_rows, reference
@@ -50,7 +49,7 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
                                           make_llm: Callable[..., LLM]) -> None:
     """1 to 12 rows, contexts from one token to several blocks and past the attention's chunk
     of 256 keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the
-    modules on the same rows; and each row alone against the modules' batch of ``MAX_ROWS`` +
+    modules on the same rows; and each row alone against the modules' batch of ``max_rows`` +
     6 (past it: its attention's chunks in a row, its products oneDNN's)."""
     llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=640)
     runner = llm.engine.model_runner
@@ -69,8 +68,9 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
             got = runner.cpu_decode.run(ids, positions, ctx)
             assert torch.equal(got, want), lens
             assert torch.equal(runner.kv_cache, stored), lens  # the same KV, in the same slots
-        lens = [5, 300, 12, 1, 520, 20] + [1 + i % 30 for i in range(MAX_ROWS)]
-        assert len(lens) > MAX_ROWS >= GEMV_ROWS
+        max_rows = runner.cpu_decode.max_rows
+        lens = [5, 300, 12, 1, 520, 20] + [1 + i % 30 for i in range(max_rows)]
+        assert len(lens) > max_rows == GEMV_ROWS
         ids, positions, ctx = _batch(runner, lens, gen)
         assert not runner.cpu_decode.can_run(ctx, len(lens))
         crowd = _modules(runner, ids, positions, ctx)
