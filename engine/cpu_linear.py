@@ -37,7 +37,7 @@ ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
 # 120: 8 rows 2.16 / 10.4 ms against oneDNN's 1.90 / 13.1, 16 rows 3.90 / 17.6 against 2.22 /
 # 12.7, 64 rows 14.9 / 63.8 against 4.02 / 18.5, 256 rows 60.7 / 270 against 10.3 / 43.2).
 GEMV_ROWS_AMX = 8
-AMX_BF16 = ONEDNN_BF16 and cpu_native.cpu_has("amx_bf16", "amx_tile")
+AMX = cpu_native.cpu_has("amx_bf16", "amx_tile")
 
 
 def _row_bucket(rows: int) -> int:
@@ -67,7 +67,7 @@ class PackedLinear(DirectModule):
                                                               _BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         # up to this many rows through cpu_gemv's panels, where the layer has them
-        self.gemv_rows = (GEMV_ROWS_AMX if weight_dtype == torch.bfloat16 and AMX_BF16
+        self.gemv_rows = (GEMV_ROWS_AMX if self.product_dtype == torch.bfloat16 and AMX
                           else GEMV_ROWS)
         self.panels: torch.Tensor | None
         if weight_dtype != torch.float32:

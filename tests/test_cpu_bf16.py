@@ -188,3 +188,27 @@ def test_without_onednn_bf16_many_rows_take_float32_products_of_the_rounded_weig
     assert torch.equal(layer(x), cpu_linear.PackedLinear(rounded)(x))
     few = x[:5].bfloat16().float() if cpu_gemv.paired() else x[:5]  # paired: inputs rounded
     torch.testing.assert_close(layer(x[:5]), rounded(few), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_linear.ONEDNN_BF16, reason="oneDNN has no bfloat16 product here")
+def test_rows_past_gemv_rows_take_onednn_padded_to_buckets_with_its_bits() -> None:
+    """Up to ``gemv_rows`` rows (8 with AMX, where oneDNN's tiles lead past them; else
+    ``GEMV_ROWS``) through the panels; past them oneDNN's bfloat16 product with the rows
+    padded to their bucket, which gives each row the bits of oneDNN's product of the rows as
+    they are."""
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(576, 1536)
+    layer = cpu_linear.PackedLinear(linear, torch.bfloat16)
+    assert layer.gemv_rows == (cpu_linear.GEMV_ROWS_AMX if cpu_linear.AMX
+                               else cpu_linear.GEMV_ROWS)
+    x = torch.randn(300, 576, generator=gen)
+    bias = linear.bias.detach()
+    for rows in (1, layer.gemv_rows, layer.gemv_rows + 1, 17, 100, 257, 299):
+        got = layer(x[:rows])
+        if rows <= layer.gemv_rows:
+            want = cpu_gemv.gemv(x[:rows], layer.panels, bias, 1536, layer.block)
+        else:
+            assert cpu_linear._row_bucket(rows) % 16 == 0 and cpu_linear._row_bucket(rows) >= rows
+            want = torch.ops.mkldnn._linear_pointwise(x[:rows].bfloat16(), layer.packed, None,
+                                                      "none", [], "").float() + bias
+        assert torch.equal(got, want), rows
