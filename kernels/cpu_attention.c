@@ -23,13 +23,17 @@
 /* keys ahead whose K and V rows the scores' loop asks the memory for (V's for the values'
  * loop after it), and into which cache. One thread on cold keys, SmolLM2's 3 KV heads: 280 ns
  * a key without, 175 with 8 keys ahead, 186 with 32 (Xeon, 2 cores). bfloat16 rows, half the
- * bytes: the same bytes ahead, into L2 (random-26m's decode, 110 rows x 340 keys from memory,
- * AMD EPYC Zen 4, 4 runs each: 8 keys into L1 53-69 ns a key, 16 into L2 49-52 (79 once), 32
- * into L2 55-63; float32's 8 keys into L2 96-125 against L1's 112-125, left as it was) */
-#define PREFETCH (32 / (int)sizeof(stored_t))
-#ifdef PAGEDQ_BF16
+ * bytes, on AMD: the same bytes ahead, into L2 (random-26m's decode, 110 rows x 340 keys from
+ * memory, EPYC Zen 4, 4 runs each: 8 keys into L1 53-69 ns a key, 16 into L2 49-52 (79 once),
+ * 32 into L2 55-63; float32's 8 keys into L2 96-125 against L1's 112-125, left as it was). On
+ * Intel, 8 keys into L1 as float32's (a Xeon with AMX, 110 rows x 400 keys, 2 runs each: 4, 8
+ * or 12 keys into L1 47.7-50.3 ns a key, 16 into L1 50.3-50.9, 16 into L2 55.3-60.5, none
+ * 63.4-65.6): its L2 prefetches stalled the loop, the fill buffers full. */
+#if defined(PAGEDQ_BF16) && !defined(PAGEDQ_INTEL)
+#define PREFETCH 16
 #define PREFETCH_HINT _MM_HINT_T1
 #else
+#define PREFETCH 8
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
 

@@ -47,6 +47,19 @@ _HEADERS = ("cpu_kernels.h", "cpu_attention_values.h", "cpu_attention_pairs.h")
 # that build's paths on a machine that has more
 FLAGS = ["-O3", f"-march={os.environ.get('PAGEDQ_NATIVE_MARCH') or 'native'}",
          "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11", "-fopenmp"]
+
+
+def _vendor() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((ln.split(":")[1].strip() for ln in text.splitlines()
+                 if ln.startswith("vendor_id")), "")
+
+
+if _vendor() == "GenuineIntel":  # the attention's prefetch differs (cpu_attention.c)
+    FLAGS.append("-DPAGEDQ_INTEL")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # each function's argument types and result (the C sources give their meaning)
 _SIGNATURES: dict[str, tuple[list, type | None]] = {
