@@ -63,14 +63,20 @@ class Detokenizer:
     next token may complete. `stop_str` is the stop string that matched, if any.
     """
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", params: SamplingParams) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", params: SamplingParams,
+                 final_only: bool = False) -> None:
+        """``final_only``: the caller reads the text only once the sample finishes (as
+        ``LLM.generate``), so where no stop string needs searching as the text grows, ``add``
+        keeps the ids and the text is decoded once, when read (the last delta holds it
+        whole)."""
         self.tokenizer = tokenizer
         self._rust = rust_tokenizer(tokenizer)
         self.params = params
         self.token_ids: list[int] = []
         self.stop_str: str | None = None
+        self._deferred = final_only and not params.stop
         self._stream = (DecodeStream(skip_special_tokens=params.skip_special_tokens)
-                        if self._rust is not None else None)
+                        if self._rust is not None and not self._deferred else None)
         self._prefix_offset = 0  # window start: context that is decoded but already in text
         self._read_offset = 0  # tokens before this are in text for good
         self._out: list[str] = []
@@ -84,6 +90,8 @@ class Detokenizer:
     @property
     def text(self) -> str:
         """The output text: `tokenizer.decode(output ids)`, cut at a stop string. O(length)."""
+        if self._deferred:
+            return self._decode(self.token_ids)
         self._out = ["".join(self._out)]
         return self._out[0] + "".join(self._ready) + self._recent + self._held_tail()
 
@@ -97,6 +105,9 @@ class Detokenizer:
     def add(self, token_ids: list[int]) -> bool:
         """Append output tokens. True if a stop string now occurs: text is cut there and the
         sequence is done, so add is not called again."""
+        if self._deferred:
+            self.token_ids.extend(token_ids)
+            return False
         text, pending = self._advance(token_ids, tail=bool(self.params.stop))
         # _recent keeps just the settled text a stop string may start in (the text before it
         # was searched on earlier calls), then the new text, of which `pending` chars unsettled.
@@ -170,6 +181,8 @@ class Detokenizer:
     def pop_delta(self, finished: bool) -> str:
         """Text not handed out yet. While running, hold back the unsettled tail and the last
         `longest stop - 1` settled characters, so nothing handed out is ever cut later."""
+        if self._deferred:
+            return self.text if finished else ""
         if finished:
             self._ready.append(self._recent + self._held_tail())
             self._recent = ""

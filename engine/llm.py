@@ -35,7 +35,7 @@ class LLM:
         if len(params) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(params)} SamplingParams")
         engine = self.engine
-        ids = self._add([(f"llm-{next(self._ids)}", prompt, {"params": p})
+        ids = self._add([(f"llm-{next(self._ids)}", prompt, {"params": p, "final_only": True})
                          for prompt, p in zip(batch, params, strict=True)])
         requests = {i: engine.requests[i] for i in ids}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:

@@ -81,8 +81,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     resume: list[Resume | None] | None = None,
-                    beam: BeamSearchParams | None = None) -> None:
+                    beam: BeamSearchParams | None = None, final_only: bool = False) -> None:
         """Validates and queues a request; raises ValueError with the reason otherwise.
+
+        ``final_only``: the caller reads each sample's text only once it finishes (vLLM's
+        ``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate``): its deltas then carry the text
+        whole on the last one, decoded once (``Detokenizer``), not token by token.
 
         ``resume`` (one entry per sample) continues a request from the tokens each sample had
         already produced: they are recomputed as part of its prompt, a seeded sample's
@@ -108,13 +112,16 @@ class LLMEngine:
         params = dataclasses.replace(params, max_tokens=max_tokens)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume has {len(resume)} entries for n={params.n} samples")
-        request = Request(ids, params, [], {}, params.n)
+        if resume is not None and final_only:
+            raise ValueError("a resumed request streams its text on from where it stopped: "
+                             "final_only does not apply")
+        request = Request(ids, params, [], {}, params.n, final_only=final_only)
         for index, state in enumerate(resume or [Resume([], 0)]):
             if state is None:
                 request.num_samples -= 1
                 continue
             seq = Sequence(request_id, ids, params, priority, time.monotonic(), index)
-            detokenizer = Detokenizer(self.tokenizer, params)
+            detokenizer = Detokenizer(self.tokenizer, params, final_only)
             if resume is not None:
                 seq.pending_forks = 0  # every sample is its own sequence from here on
                 seq.token_ids += state.token_ids
@@ -200,7 +207,8 @@ class LLMEngine:
                 request = self.requests[seq.request_id]
                 for child in group[1:]:
                     request.seqs.append(child)
-                    request.detokenizers[child.seq_id] = Detokenizer(self.tokenizer, seq.params)
+                    request.detokenizers[child.seq_id] = Detokenizer(
+                        self.tokenizer, seq.params, request.final_only)
             rows += [row] * len(group)
             seqs += group
         return logits[torch.tensor(rows, device=logits.device)], seqs

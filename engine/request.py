@@ -27,6 +27,7 @@ class Request:
     detokenizers: dict[int, Detokenizer]  # by seq_id
     num_samples: int  # the samples this engine runs: n, less those finished before a resume
     group: BeamGroup | None = None  # a beam search's state; its beams are not in seqs
+    final_only: bool = False  # LLMEngine.add_request's: text read only once a sample finishes
 
     @property
     def finished(self) -> bool:

@@ -199,3 +199,26 @@ def test_stream_error_falls_back_to_windows(tok, monkeypatch):
     monkeypatch.setattr("engine.detokenizer.DecodeStream", FailingStream)
     detok, deltas, _ = stream(tok, ids, SamplingParams(), [3, 5] + [1] * (len(ids) - 8))
     assert detok._stream is None and "".join(deltas) == detok.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_final_only_decodes_once_with_the_streamed_text(tok, skip):
+    """``final_only`` (LLM.generate): no text until the sample finishes, then the text the
+    token-by-token path gives, whole; with stop strings it streams as before (they are
+    searched as the text grows)."""
+    special = tok.convert_tokens_to_ids(["<|im_start|>"])
+    ids = special + encode(tok, TEXTS[2]) + encode(tok, "好😀")[:-1]  # ends mid-character
+    params = SamplingParams(skip_special_tokens=skip)
+    streamed, _, _ = stream(tok, ids, params)
+    final = Detokenizer(tok, params, final_only=True)
+    deltas = []
+    for n, token in enumerate(ids):
+        assert not final.add([token])
+        deltas.append(final.pop_delta(finished=n == len(ids) - 1))
+    assert deltas[:-1] == [""] * (len(ids) - 1)
+    assert deltas[-1] == final.text == streamed.text == tok.decode(ids, skip_special_tokens=skip)
+    stopping = SamplingParams(stop=["世界"])
+    detok, deltas, stopped_at = stream(tok, encode(tok, TEXTS[0]), stopping)
+    final = Detokenizer(tok, stopping, final_only=True)
+    assert any(final.add([t]) for t in encode(tok, TEXTS[0]))  # still stops on the string
+    assert final.text == detok.text == "你好，"

@@ -170,6 +170,28 @@ def test_resume_continues_the_stream_exactly(tiny_llama, make_llm, steps) -> Non
         assert published[i][1] == "".join(p.text for p in pieces)
 
 
+def test_final_only_deltas_carry_the_text_whole_at_the_end(tiny_llama, make_llm) -> None:
+    """``final_only`` (what LLM.generate asks): the same tokens and text as a streamed request
+    (n samples forked from one prompt included), the text whole in each sample's last delta;
+    a resume cannot ask for it."""
+    from engine.llm_engine import Resume
+
+    engine = make_llm(tiny_llama).engine
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
+    engine.add_request("streamed", "深度学习 🙂", params)
+    engine.add_request("final", "深度学习 🙂", params, final_only=True)
+    runs = _run(engine)
+    for i in range(2):
+        streamed = [s for d in runs["streamed"] for s in d.samples if s.index == i]
+        final = [s for d in runs["final"] for s in d.samples if s.index == i]
+        assert [t for s in final for t in s.token_ids] == [t for s in streamed for t in s.token_ids]
+        assert [s.text for s in final[:-1]] == [""] * (len(final) - 1)
+        assert final[-1].text == "".join(s.text for s in streamed) != ""
+    with pytest.raises(ValueError, match="final_only"):
+        engine.add_request("resumed", "x", SamplingParams(), resume=[Resume([5], 0)],
+                           final_only=True)
+
+
 def test_kv_pool_sized_from_the_memory_budget(tiny_llama, make_llm) -> None:
     llm = make_llm(tiny_llama, kv_cache_memory_gib=0.001, block_size=16)
     runner = llm.engine.model_runner
