@@ -169,6 +169,110 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
 #undef TILE_CASE
 }
 
+#if PAIRED && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Past AMX_ROWS rows, where the CPU has AMX: the paired panels are AMX's B tiles as they lie
+ * (a step, 64 bytes, is a tile row: 16 outputs' pair of inputs; 16 steps a tile), the paired
+ * inputs its A tiles (16 rows by 16 pairs), and a tdpbf16ps adds 16 x 16 x 32 products. Each
+ * output's pairs are summed in fp32 by the tile unit in its own order, one row's as any
+ * other's, so a row's bits do not depend on the rows beside it past AMX_ROWS (nor below it,
+ * on the pairs' path). Why: the pairs' vdpbf16ps took 60.7 ms for 256 rows of random-26m's 32
+ * products, oneDNN's AMX kernels 10.3 (a Xeon with AMX, 2 threads, cold weights); the decode
+ * step can call this one. */
+#define AMX_ROWS 8
+#define AMX_PANELS 4 /* C tiles 0-3, one panel each; A in tile 4, B in 5 and 6 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Whether this process may use the tile registers (Linux grants them on request). */
+static int amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ready;
+}
+
+/* The pagedq_gemv of `rows` (> AMX_ROWS) rows through the tiles: `in` the paired inputs,
+ * rows padded to 16 with zeros, `steps` a multiple of 16. */
+static void amx_gemv(const input_t *in, int64_t ldin, int64_t rows, const stored_t *w,
+                     const float *bias, float *y, int64_t ldy, int64_t n, int64_t steps,
+                     int64_t threads) {
+    const int64_t panels = (n + 15) / 16, groups = (panels + AMX_PANELS - 1) / AMX_PANELS;
+    const int64_t blocks = (rows + 15) / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        float out[AMX_PANELS][16][16];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * AMX_PANELS;
+            const int64_t np = panels - p0 < AMX_PANELS ? panels - p0 : AMX_PANELS;
+            const stored_t *wg = w + p0 * steps * 32;
+            for (int64_t b = 0; b < blocks; b++) {
+                const input_t *a = in + b * 16 * ldin;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s += 16) {
+                    _tile_loadd(4, a + s, ldin * 4);
+                    _tile_loadd(5, wg + s * 32, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (np > 1) {
+                        _tile_loadd(6, wg + (steps + s) * 32, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (np > 2) {
+                        _tile_loadd(5, wg + (2 * steps + s) * 32, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                    }
+                    if (np > 3) {
+                        _tile_loadd(6, wg + (3 * steps + s) * 32, 64);
+                        _tile_dpbf16ps(3, 4, 6);
+                    }
+                }
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                _tile_stored(2, out[2], 64);
+                _tile_stored(3, out[3], 64);
+                const int64_t nr = rows - b * 16 < 16 ? rows - b * 16 : 16;
+                for (int64_t j = 0; j < np; j++) {
+                    const int64_t o0 = (p0 + j) * 16, lanes = n - o0 < 16 ? n - o0 : 16;
+                    for (int64_t r = 0; r < nr; r++) {
+                        float *yr = y + (b * 16 + r) * ldy + o0;
+                        for (int64_t i = 0; i < lanes; i++)
+                            yr[i] = bias ? out[j][r][i] + bias[o0 + i] : out[j][r][i];
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#else
+#define AMX 0
+#endif
+
+/* Whether pagedq_gemv takes rows past AMX_ROWS to the tiles here (the build has AMX and the
+ * process may use it): engine/cpu_linear.py then sends it every decode batch. */
+int NAME(pagedq_gemv_amx)(void) {
+#if AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each
  * group's rows in tiles of TILE (its weights read again per tile, from the cache). Returns 0,
@@ -179,9 +283,23 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
     const int64_t panels = (n + 15) / 16, groups = (panels + PANELS - 1) / PANELS;
 #if PAIRED
     const int64_t steps = (k + 1) / 2, ldin = steps;
-    input_t *in = malloc(sizeof(input_t) * (size_t)(rows * steps));
+#if AMX
+    const int tiles = rows > AMX_ROWS && steps % 16 == 0 && amx_ready();
+    const int64_t padded = tiles ? (rows + 15) / 16 * 16 : rows;
+#else
+    const int64_t padded = rows;
+#endif
+    input_t *in = malloc(sizeof(input_t) * (size_t)(padded * steps));
     if (!in) return -1;
     for (int64_t r = 0; r < rows; r++) to_pairs(x + r * ldx, k, in + r * steps);
+#if AMX
+    if (tiles) {
+        memset(in + rows * steps, 0, sizeof(input_t) * (size_t)((padded - rows) * steps));
+        amx_gemv(in, ldin, rows, w, bias, y, ldy, n, steps, threads);
+        free(in);
+        return 0;
+    }
+#endif
 #else
     const int64_t steps = k, ldin = ldx;
     const input_t *in = x;

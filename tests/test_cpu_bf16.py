@@ -114,6 +114,28 @@ def test_gemv_over_bf16_panels(rows: int, in_features: int,
     torch.testing.assert_close(got, x @ weight.float().T + bias, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_gemv.amx(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize(("in_features", "out_features"), [(512, 1024), (576, 33), (1536, 576)])
+def test_gemv_past_a_few_rows_takes_amx_tiles_the_same_in_any_batch(
+        in_features: int, out_features: int) -> None:
+    """Past 8 rows, where the CPU has AMX and the paired steps fill whole tiles: the tiles'
+    products within bfloat16's rounding of the reference, and a row's bits the same in a batch
+    of 9 as of 300 (rows padded to 16, outputs to 16, bias added after)."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen)
+    assert cpu_gemv.tiles(in_features, torch.bfloat16)
+    panels = cpu_gemv.pack_panels(weight)
+    x = torch.randn(300, in_features, generator=gen)
+    full = cpu_gemv.gemv(x, panels, bias, out_features, in_features)
+    torch.testing.assert_close(full, x.bfloat16().float() @ weight.float().T + bias,
+                               atol=1e-3, rtol=1e-3)
+    for rows in (9, 16, 17, 100, 299):
+        assert torch.equal(cpu_gemv.gemv(x[300 - rows:], panels, bias, out_features,
+                                         in_features), full[300 - rows:]), rows
+    assert not cpu_gemv.tiles(100, torch.bfloat16)  # 50 steps: the pairs' path at any rows
+
+
 def test_engine_holds_bf16_weights_and_pool_and_decodes_natively(
         tiny_llama3: Path, make_llm: Callable[..., LLM]) -> None:
     """The loaded model: float32 activations and norms (bfloat16 values), every product's
@@ -192,15 +214,16 @@ def test_without_onednn_bf16_many_rows_take_float32_products_of_the_rounded_weig
 
 @pytest.mark.skipif(not cpu_linear.ONEDNN_BF16, reason="oneDNN has no bfloat16 product here")
 def test_rows_past_gemv_rows_take_onednn_padded_to_buckets_with_its_bits() -> None:
-    """Up to ``gemv_rows`` rows (8 with AMX, where oneDNN's tiles lead past them; else
-    ``GEMV_ROWS``) through the panels; past them oneDNN's bfloat16 product with the rows
-    padded to their bucket, which gives each row the bits of oneDNN's product of the rows as
-    they are."""
+    """Up to ``gemv_rows`` rows (8 with AMX where cpu_gemv has no tiles, oneDNN's leading
+    past them; else ``GEMV_ROWS``) through the panels; past them oneDNN's bfloat16 product
+    with the rows padded to their bucket, which gives each row the bits of oneDNN's product
+    of the rows as they are."""
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(576, 1536)
     layer = cpu_linear.PackedLinear(linear, torch.bfloat16)
-    assert layer.gemv_rows == (cpu_linear.GEMV_ROWS_AMX if cpu_linear.AMX
-                               else cpu_linear.GEMV_ROWS)
+    assert layer.gemv_rows == (
+        cpu_linear.GEMV_ROWS_AMX if cpu_linear.AMX and not cpu_gemv.tiles(576, torch.bfloat16)
+        else cpu_linear.GEMV_ROWS)
     x = torch.randn(300, 576, generator=gen)
     bias = linear.bias.detach()
     for rows in (1, layer.gemv_rows, layer.gemv_rows + 1, 17, 100, 257, 299):
