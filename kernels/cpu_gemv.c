@@ -183,7 +183,6 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
  * products, oneDNN's AMX kernels 10.3 (a Xeon with AMX, 2 threads, cold weights); the decode
  * step can call this one. */
 #define AMX_ROWS 8
-#define AMX_PANELS 4 /* C tiles 0-3, one panel each; A in tile 4, B in 5 and 6 */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -200,60 +199,57 @@ static int amx_ready(void) {
 }
 
 /* The pagedq_gemv of `rows` (> AMX_ROWS) rows through the tiles: `in` the paired inputs,
- * rows padded to 16 with zeros, `steps` a multiple of 16. */
+ * rows padded to 32 with zeros, `steps` a multiple of 16. A thread takes two panels at a time
+ * and runs every row block pair over them: C tiles 0-3 (row block i, panel j at 2i + j), A in
+ * 4 and 5, B in 6 and 7, so that each tile loaded feeds two products. */
 static void amx_gemv(const input_t *in, int64_t ldin, int64_t rows, const stored_t *w,
                      const float *bias, float *y, int64_t ldy, int64_t n, int64_t steps,
                      int64_t threads) {
-    const int64_t panels = (n + 15) / 16, groups = (panels + AMX_PANELS - 1) / AMX_PANELS;
-    const int64_t blocks = (rows + 15) / 16;
+    const int64_t panels = (n + 15) / 16, pairs = (panels + 1) / 2, blocks = (rows + 31) / 32;
 #pragma omp parallel num_threads(threads)
     {
         tile_config cfg = {0};
         cfg.palette = 1;
-        for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
         _tile_loadconfig(&cfg);
-        float out[AMX_PANELS][16][16];
+        float out[4][16][16];
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t p0 = g * AMX_PANELS;
-            const int64_t np = panels - p0 < AMX_PANELS ? panels - p0 : AMX_PANELS;
-            const stored_t *wg = w + p0 * steps * 32;
+        for (int64_t g = 0; g < pairs; g++) {
+            const int two = 2 * g + 1 < panels;
+            const stored_t *w0 = w + 2 * g * steps * 32, *w1 = w0 + steps * 32;
             for (int64_t b = 0; b < blocks; b++) {
-                const input_t *a = in + b * 16 * ldin;
+                const input_t *a0 = in + b * 32 * ldin, *a1 = a0 + 16 * ldin;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t s = 0; s < steps; s += 16) {
-                    _tile_loadd(4, a + s, ldin * 4);
-                    _tile_loadd(5, wg + s * 32, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    if (np > 1) {
-                        _tile_loadd(6, wg + (steps + s) * 32, 64);
-                        _tile_dpbf16ps(1, 4, 6);
-                    }
-                    if (np > 2) {
-                        _tile_loadd(5, wg + (2 * steps + s) * 32, 64);
-                        _tile_dpbf16ps(2, 4, 5);
-                    }
-                    if (np > 3) {
-                        _tile_loadd(6, wg + (3 * steps + s) * 32, 64);
-                        _tile_dpbf16ps(3, 4, 6);
+                    _tile_loadd(4, a0 + s, ldin * 4);
+                    _tile_loadd(5, a1 + s, ldin * 4);
+                    _tile_loadd(6, w0 + s * 32, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, w1 + s * 32, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 _tile_stored(0, out[0], 64);
                 _tile_stored(1, out[1], 64);
                 _tile_stored(2, out[2], 64);
                 _tile_stored(3, out[3], 64);
-                const int64_t nr = rows - b * 16 < 16 ? rows - b * 16 : 16;
-                for (int64_t j = 0; j < np; j++) {
-                    const int64_t o0 = (p0 + j) * 16, lanes = n - o0 < 16 ? n - o0 : 16;
-                    for (int64_t r = 0; r < nr; r++) {
-                        float *yr = y + (b * 16 + r) * ldy + o0;
-                        for (int64_t i = 0; i < lanes; i++)
-                            yr[i] = bias ? out[j][r][i] + bias[o0 + i] : out[j][r][i];
+                for (int i = 0; i < 2; i++)
+                    for (int j = 0; j < 1 + two; j++) {
+                        const int64_t o0 = (2 * g + j) * 16, lanes = n - o0 < 16 ? n - o0 : 16;
+                        const __mmask16 live = (__mmask16)((1u << lanes) - 1u);
+                        const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + o0)
+                                               : _mm512_setzero_ps();
+                        const int64_t r0 = b * 32 + i * 16;
+                        for (int64_t r = 0; r < 16 && r0 + r < rows; r++)
+                            _mm512_mask_storeu_ps(y + (r0 + r) * ldy + o0, live, _mm512_add_ps(
+                                _mm512_loadu_ps(out[2 * i + j][r]), bv));
                     }
-                }
             }
         }
         _tile_release();
@@ -285,7 +281,7 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
     const int64_t steps = (k + 1) / 2, ldin = steps;
 #if AMX
     const int tiles = rows > AMX_ROWS && steps % 16 == 0 && amx_ready();
-    const int64_t padded = tiles ? (rows + 15) / 16 * 16 : rows;
+    const int64_t padded = tiles ? (rows + 31) / 32 * 32 : rows;
 #else
     const int64_t padded = rows;
 #endif
