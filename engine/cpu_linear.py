@@ -36,8 +36,9 @@ ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
 # AVX-512 BF16 pairs (a Xeon with AMX, 2 threads, cold weights; random-26m's 32 layers / SmolLM2's
 # 120: 8 rows 2.16 / 10.4 ms against oneDNN's 1.90 / 13.1, 16 rows 3.90 / 17.6 against 2.22 /
 # 12.7, 64 rows 14.9 / 63.8 against 4.02 / 18.5, 256 rows 60.7 / 270 against 10.3 / 43.2),
-# unless cpu_gemv takes those rows to the tiles itself (cpu_gemv.tiles: 16 rows 1.23 / 15.6,
-# 64 rows 3.85 / 15.5, 256 rows 13.8 / 53.2 ms), so that the native decode step keeps them.
+# unless cpu_gemv takes those rows to the tiles itself (cpu_gemv.tiles, one run beside
+# oneDNN's: 16 rows 1.79 / 11.0 ms against 2.54 / 15.3, 64 rows 3.41 / 16.8 against 4.57 /
+# 22.5, 256 rows 14.6 / 41.5 against 13.6 / 52.9), so that the native decode step keeps them.
 GEMV_ROWS_AMX = 8
 AMX = cpu_native.cpu_has("amx_bf16", "amx_tile")
 
