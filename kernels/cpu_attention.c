@@ -25,10 +25,8 @@
  * a key without, 175 with 8 keys ahead, 186 with 32 (Xeon, 2 cores). bfloat16 rows, half the
  * bytes, on AMD: the same bytes ahead, into L2 (random-26m's decode, 110 rows x 340 keys from
  * memory, EPYC Zen 4, 4 runs each: 8 keys into L1 53-69 ns a key, 16 into L2 49-52 (79 once),
- * 32 into L2 55-63; float32's 8 keys into L2 96-125 against L1's 112-125, left as it was). On
- * Intel, 8 keys into L1 as float32's (a Xeon with AMX, 110 rows x 400 keys, 2 runs each: 4, 8
- * or 12 keys into L1 47.7-50.3 ns a key, 16 into L1 50.3-50.9, 16 into L2 55.3-60.5, none
- * 63.4-65.6): its L2 prefetches stalled the loop, the fill buffers full. */
+ * 32 into L2 55-63; float32's 8 keys into L2 96-125, L1 112-125). On Intel, 8 into L1 as float32
+ * (Xeon with AMX, 110 rows x 400 keys: 4-12 keys into L1 47.7-50.3 ns, 16 into L2 55.3-60.5). */
 #if defined(PAGEDQ_BF16) && !defined(PAGEDQ_INTEL)
 #define PREFETCH 16
 #define PREFETCH_HINT _MM_HINT_T1
