@@ -5,10 +5,8 @@
 input building, graph replay, logits, sampling, appending) by host time, and how much of the
 step the GPU is busy. A step far above its floor with the GPU mostly idle is host-bound; one
 with the GPU busy is kernel-bound. ``--attention-peers``: torch's fused attention kernels on the
-same fresh prompts.
-
-``--sweep``: the prefill kernel over launch shapes (``PrefillTiles``) on fresh and chunked
-prompts, each checked against the torch reference, TFLOP/s against the matmul rate.
+same fresh prompts. ``--sweep``: the prefill kernel's launch shapes (``PrefillTiles``), fresh
+and chunked prompts, each checked against the torch reference, TFLOP/s against the matmul rate.
 
     python benchmarks/gpu_profile.py --decode random-1b --sweep --out out.json
 """
