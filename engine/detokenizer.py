@@ -108,7 +108,7 @@ class Detokenizer:
         if self._deferred:
             self.token_ids.extend(token_ids)
             return False
-        text, pending = self._advance(token_ids, tail=bool(self.params.stop))
+        text, pending = self._advance(token_ids)
         # _recent keeps just the settled text a stop string may start in (the text before it
         # was searched on earlier calls), then the new text, of which `pending` chars unsettled.
         self._recent = self._recent[: len(self._recent) - self._pending] + text
@@ -125,11 +125,11 @@ class Detokenizer:
             self._recent = self._recent[cut:]
         return False
 
-    def _advance(self, token_ids: list[int], tail: bool) -> tuple[str, int]:
+    def _advance(self, token_ids: list[int]) -> tuple[str, int]:
         """Takes the new tokens; returns the text since the last settled token and how many of
         its characters are unsettled: a tail that ends mid-character (U+FFFD), which the next
         token may complete. The stream, where there is one, decides what is settled, and the
-        tail is decoded only if asked for (stop strings to search); else it waits for
+        tail is decoded only where stop strings are to be searched; else it waits for
         ``_held_tail``. Random token ids, as in the benchmarks' random models, end mid-character
         on most tokens: decoding their tails each step undid the stream's gain."""
         settled: list[str] = []
@@ -148,7 +148,7 @@ class Detokenizer:
             else:
                 rest = []
         self.token_ids.extend(rest)
-        if self._read_offset == len(self.token_ids) or (self._stream is not None and not tail):
+        if self._read_offset == len(self.token_ids) or self._tail_held():
             return "".join(settled), 0
         unsettled = self._tail()
         if self._stream is None and not unsettled.endswith(REPLACEMENT_CHAR):
@@ -164,10 +164,13 @@ class Detokenizer:
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
         return self._decode(window)[len(prefix_text):]
 
+    def _tail_held(self) -> bool:
+        """Whether ``add`` leaves the stream's unsettled tail undecoded: no stop strings."""
+        return self._stream is not None and not self.params.stop
+
     def _held_tail(self) -> str:
         """The unsettled tail that the stream holds and ``add`` did not decode; else ''."""
-        held = (self._stream is not None and not self.params.stop
-                and self._read_offset < len(self.token_ids))
+        held = self._tail_held() and self._read_offset < len(self.token_ids)
         return self._tail() if held else ""
 
     def resume(self, token_ids: list[int], emitted_chars: int) -> None:
