@@ -50,16 +50,17 @@ FLAGS = ["-O3", f"-march={os.environ.get('PAGEDQ_NATIVE_MARCH') or 'native'}",
          "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11", "-fopenmp"]
 
 
-def _vendor() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first core's ``field`` in /proc/cpuinfo (its flags, its vendor_id); '' if none."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((ln.split(":")[1].strip() for ln in text.splitlines()
-                 if ln.startswith("vendor_id")), "")
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith(field)), "")
 
 
-if _vendor() == "GenuineIntel":  # the attention's prefetch differs (cpu_attention.c)
+if _cpuinfo("vendor_id") == "GenuineIntel":  # the attention's prefetch differs (cpu_attention.c)
     FLAGS.append("-DPAGEDQ_INTEL")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # each function's argument types and result (the C sources give their meaning)
@@ -86,12 +87,8 @@ _TYPED = {torch.float32: "", torch.bfloat16: "_bf16"}
 
 
 def cpu_has(*flags: str) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return all(flag in line.split() for flag in flags)
+    present = _cpuinfo("flags").split()
+    return all(flag in present for flag in flags)
 
 
 def _build(compiler: str, sources: list[Path], headers: list[Path],
