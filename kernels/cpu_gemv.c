@@ -169,6 +169,7 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
 #undef TILE_CASE
 }
 
+#include "cpu_gemv_chunks.h"
 #include "cpu_gemv_amx.h"
 
 /* Whether pagedq_gemv takes rows past AMX_ROWS to the tiles here (the build has AMX and the
@@ -211,6 +212,10 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
 #else
     const int64_t steps = k, ldin = ldx;
     const input_t *in = x;
+#ifdef __AVX512F__
+    if (rows > TILE && rows <= CHUNKED_ROWS)
+        return chunked(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
+#endif
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
