@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -144,7 +145,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = self._mask_min_tokens(apply_penalties(logits, seqs), seqs)
-        tokens = logits.argmax(dim=-1)  # greedy rows; ties go to the lowest id, as in HF
+        tokens = kernels.argmax(logits)  # greedy rows; ties go to the lowest id, as in HF
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
             tokens[rows] = self._draw(logits[rows], [seqs[i] for i in rows])

@@ -135,3 +135,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def silu_and_mul(x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     return _resolve("silu_and_mul", x.device, backend)(x)
+
+
+def argmax(logits: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    return _resolve("argmax", logits.device, backend)(logits)

@@ -72,6 +72,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_rms_norm": ([_P, _P, _P, _F, _P, _P, _I, _I, _I], None),
     "pagedq_rotary": ([_P, _I, _P, _I] + [_P] * 5 + [_I] * 5, None),
     "pagedq_silu_and_mul": ([_P, _P, _I, _I, _I], None),
+    "pagedq_argmax": ([_P, _I, _I, _I, _P, _I], None),
     "pagedq_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I], None),
     "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I], ctypes.c_int),
     "pagedq_bf16_paired": ([], ctypes.c_int),

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kernels import cpu_native, reference
-from kernels.cpu_rows import rms_norm, rotary, silu_and_mul  # noqa: F401  (re-exported:
+from kernels.cpu_rows import argmax, rms_norm, rotary, silu_and_mul  # noqa: F401  (re-exported:
 from kernels.numba_common import (  # the dispatch looks names up here)
     JIT,
     SERIAL,

@@ -1,5 +1,5 @@
 /* The row-wise ops of a Llama layer, float32, AVX2 + FMA: RMSNorm with its residual add,
- * rotary embeddings, SiLU-and-mul, and the KV store. Compiled at first use by
+ * rotary embeddings, SiLU-and-mul, and the KV store; and the greedy sampler's argmax. Compiled at first use by
  * kernels/cpu_native.py; kernels/cpu_rows.py calls them for every batch, and cpu_decode.c's
  * decode step calls the same functions, so that a row has the same bits whichever path and
  * whichever batch computes it (the engine's resumes and n-sample sharing rest on that).
@@ -135,5 +135,59 @@ void pagedq_store_kv_bf16(const float *key, int64_t ldk, const float *value, int
             k_cache[slots[t] * row + e] = to_bf16(key[t * ldk + e]);
             v_cache[slots[t] * row + e] = to_bf16(value[t * ldv + e]);
         }
+    }
+}
+
+/* out[r] = the index of row r's largest float (rows ld apart, `cols` each), the first where
+ * several tie, the first NaN where there is one: torch's argmax(dim=-1). Four sets of 8 lanes
+ * keep each lane's first maximum (a strict > only moves it) so that no compare waits on the
+ * last; a lane's first maximum is the row's first among its lanes, so the smallest index of
+ * those that hold the row's maximum is the row's answer.
+ * Why: torch's argmax of SmolLM2's 32 x 49,152 logits took 1.4 ms a decode step (4.6 GB/s,
+ * one thread), 2 % of a 32-row step. */
+void pagedq_argmax(const float *x, int64_t ld, int64_t rows, int64_t cols, int64_t *out,
+                   int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= PARALLEL_FROM)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * ld;
+        __m256 best[4], nan = _mm256_setzero_ps();
+        __m256i at[4];
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int s = 0; s < 4; s++) {
+            best[s] = _mm256_set1_ps(-INFINITY);
+            at[s] = _mm256_setzero_si256();
+        }
+        int64_t i = 0;
+        for (; i + 32 <= cols; i += 32)
+            for (int s = 0; s < 4; s++) {
+                const __m256 v = _mm256_loadu_ps(row + i + 8 * s);
+                const __m256 more = _mm256_cmp_ps(v, best[s], _CMP_GT_OQ);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                best[s] = _mm256_blendv_ps(best[s], v, more);
+                at[s] = _mm256_blendv_epi8(
+                    at[s], _mm256_add_epi32(lane, _mm256_set1_epi32((int)(i + 8 * s))),
+                    _mm256_castps_si256(more));
+            }
+        float values[32];
+        int32_t indices[32];
+        for (int s = 0; s < 4; s++) {
+            _mm256_storeu_ps(values + 8 * s, best[s]);
+            _mm256_storeu_si256((__m256i *)(indices + 8 * s), at[s]);
+        }
+        float top = values[0];
+        int64_t index = indices[0];
+        for (int j = 1; j < 32; j++)
+            if (values[j] > top || (values[j] == top && indices[j] < index))
+                top = values[j], index = indices[j];
+        int64_t first_nan = -1;
+        if (_mm256_movemask_ps(nan)) i = 0;  /* a NaN in the vectors: find the first */
+        for (; i < cols; i++) {
+            if (row[i] != row[i]) {
+                first_nan = i;
+                break;
+            }
+            if (row[i] > top) top = row[i], index = i;
+        }
+        out[r] = first_nan >= 0 ? first_nan : index;
     }
 }

@@ -113,3 +113,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], x.shape[1] // 2)
     native(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2, torch.get_num_threads())
     return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``kernels.reference.argmax``'s contract, in C where it builds (torch's took 1.4 ms on
+    SmolLM2's 32 x 49,152 logits, one thread; see cpu_rows.c)."""
+    native = cpu_native.function("pagedq_argmax")
+    if (native is None or not cpu_float32(logits) or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return reference.argmax(logits)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    native(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+           out.data_ptr(), torch.get_num_threads())
+    return out

@@ -156,3 +156,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Llama's is, or on one thread."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [T, I] buffer fewer per layer
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy tokens of ``logits`` [rows, vocab]: each row's first maximum, its first NaN
+    where it has one (int64)."""
+    return logits.argmax(dim=-1)

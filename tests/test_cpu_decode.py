@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.context import Context, DecodeGroup, set_context
 from engine.cpu_linear import GEMV_ROWS
 from engine.model_runner import ModelRunner
-from kernels import cpu_decode, cpu_rows, reference
+from kernels import cpu_decode, cpu_native, cpu_rows, reference
 
 BLOCK = 16
 
@@ -142,3 +142,24 @@ def test_row_ops_ignore_the_batch() -> None:
     for i in (0, 151, 299):
         one_q, one_k = cpu_rows.rotary(q[i:i + 1], k[i:i + 1], cos, sin, positions[i:i + 1])
         assert torch.equal(one_q[0], out_q[i]) and torch.equal(one_k[0], out_k[i])
+
+
+@pytest.mark.parametrize("cols", [1, 31, 33, 1000, 49152])
+def test_argmax_is_torchs(cols: int) -> None:
+    """The greedy sampler's C argmax against torch's: random rows, ties (the first wins, in a
+    vector, across lanes and in the tail), -0.0 beside 0.0, all -inf, +inf, NaNs (the first
+    wins, in the vectors or the tail only), rows read with a stride."""
+    assert cpu_native.function("pagedq_argmax") is not None, "the C row ops did not build"
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(40, cols + 3, generator=gen)[:, :cols]  # rows cols + 3 floats apart
+    x[1] = 0.5
+    x[2, :] = -float("inf")
+    x[3, -1], x[4, cols // 2] = float("inf"), float("nan")
+    x[5, cols - 1] = float("nan")
+    x[6, :] = 0.0
+    x[6, cols // 3] = -0.0
+    x[7, 0], x[8, cols - 1] = float("nan"), 7.0
+    x[9, cols // 2:] = 9.0
+    x[10, [cols // 5, cols // 2, cols - 1]] = 11.0
+    assert torch.equal(cpu_rows.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_rows.argmax(x[:1]), x[:1].argmax(dim=-1))
