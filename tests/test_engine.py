@@ -270,6 +270,7 @@ def test_generate_hides_the_heap_from_the_collector_only_while_it_runs(tiny_llam
     try:
         frozen = gc.get_freeze_count()
         llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)
-        assert gc.get_freeze_count() == frozen
+        # still the host's freeze (frozen objects freed meanwhile leave it), not undone
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
