@@ -34,7 +34,8 @@ static inline __attribute__((always_inline)) void chunk_tile(
         if (i - k0 < pf2_lines) _mm_prefetch(pf2 + (i - k0) * 64, _MM_HINT_T1);
         for (int j = 0; j < panels; j++) wv[j] = load16_w(w + j * k * 16 + i * 16);
         for (int r = 0; r < rows; r++) {
-            /* one broadcast a row in a register: folded into each FMA, it was a load each */
+            /* the row's broadcast held in a register (folded, it is a load in each FMA):
+             * the figures above were measured so; apart, it was level within the noise */
             __m512 b = _mm512_set1_ps(x[r * ldx + i]);
             __asm__("" : "+v"(b));
             for (int j = 0; j < panels; j++) part[r][j] = _mm512_fmadd_ps(b, wv[j], part[r][j]);
