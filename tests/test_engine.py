@@ -238,4 +238,3 @@ def _samples(engine) -> dict[int, tuple[list[int], list[dict[int, float]]]]:
                 ids += s.token_ids
                 logprobs += s.logprobs or []
     return out
-

@@ -11,7 +11,7 @@ def test_generate_hides_the_heap_from_the_collector_only_while_it_runs(tiny_llam
                                                                        make_llm) -> None:
     """During ``generate`` the objects alive before it are frozen (no full collection walks
     them mid-run); after it they are the collector's again (a cycle made before is collected),
-    and a process that froze its own heap keeps exactly that freeze."""
+    and a process that froze its own heap keeps its freeze."""
     llm = make_llm(tiny_llama)
     assert gc.get_freeze_count() == 0
     seen = []
