@@ -86,6 +86,16 @@ typedef uint32_t input_t;
 typedef float input_t;
 #endif
 
+/* One panel's sums for `rows` rows (sums[r * stride]), plus its bias (or NULL), into the
+ * `lanes` real outputs of y's rows (ldy apart). */
+static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t stride,
+                               int64_t rows, const float *bias, int64_t lanes) {
+    float b[16] = {0};
+    for (int64_t i = 0; bias && i < lanes; i++) b[i] = bias[i];
+    for (int64_t r = 0; r < rows; r++)
+        store16(y + r * ldy, bias ? add16(sums[r * stride], load16(b)) : sums[r * stride], lanes);
+}
+
 /* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
  * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. Step i also
  * asks the memory for the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and
@@ -131,13 +141,9 @@ static inline __attribute__((always_inline)) void tile(
                 total[r][j] = k0 == 0 ? part[r][j] : add16(total[r][j], part[r][j]);
     }
 #endif
-    for (int j = 0; j < panels; j++) {
-        float b[16] = {0};
-        for (int64_t i = 0; bias && i < lanes[j]; i++) b[i] = bias[j * 16 + i];
-        for (int r = 0; r < rows; r++)
-            store16(y + r * ldy + j * 16, bias ? add16(total[r][j], load16(b)) : total[r][j],
+    for (int j = 0; j < panels; j++)
+        store_panel(y + j * 16, ldy, &total[0][j], PANELS, rows, bias ? bias + j * 16 : 0,
                     lanes[j]);
-    }
 }
 
 /* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS), as constants. */
@@ -171,16 +177,6 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
 
 #include "cpu_gemv_chunks.h"
 #include "cpu_gemv_amx.h"
-
-/* Whether pagedq_gemv takes rows past AMX_ROWS to the tiles here (the build has AMX and the
- * process may use it): engine/cpu_linear.py then sends it every decode batch. */
-int NAME(pagedq_gemv_amx)(void) {
-#if AMX
-    return amx_ready();
-#else
-    return 0;
-#endif
-}
 
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each

@@ -112,16 +112,11 @@ static int chunked(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
             }
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = rb + t * TILE, nr = rows - r0 < TILE ? rows - r0 : TILE;
-                for (int64_t j = 0; j < np; j++) {
-                    const int64_t lanes = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
-                    float b[16] = {0};
-                    for (int64_t i = 0; bias && i < lanes; i++) b[i] = bias[(p0 + j) * 16 + i];
-                    for (int64_t r = 0; r < nr; r++) {
-                        const __m512 v = state[(t * TILE * PANELS + r * PANELS + j) * 2 + 1];
-                        store16(y + (r0 + r) * ldy + (p0 + j) * 16,
-                                bias ? add16(v, load16(b)) : v, lanes);
-                    }
-                }
+                for (int64_t j = 0; j < np; j++)  /* the totals: every second sum of state */
+                    store_panel(y + r0 * ldy + (p0 + j) * 16, ldy,
+                                state + (t * TILE * PANELS + j) * 2 + 1, PANELS * 2, nr,
+                                bias ? bias + (p0 + j) * 16 : 0,
+                                n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16);
             }
         }
     }
