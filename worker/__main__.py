@@ -33,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # What loading left (~420k objects: the tokenizer's, the model's, torch's) lives as long as
     # the process: frozen out of the collector's sight, as vLLM's engine core does, so that no
     # full collection walks it mid-step (random-26m's 128 requests: one took 205 ms, 1 % of
-    # the run). Only here, in a process of our own: LLM leaves its host's heap as it is.
+    # the run). For good here, in a process of our own; LLM, in its host's process, freezes
+    # only while a run lasts (engine.llm.heap_frozen).
     gc.collect()
     gc.freeze()
     for sig in (signal.SIGTERM, signal.SIGINT):
