@@ -1,12 +1,12 @@
-"""On a CUDA GPU: where a decode step's time goes, and the prefill kernel's launch shapes.
+"""On a CUDA GPU: where a decode step's time goes, and prefill attention's rate.
 
 ``--decode MODEL``: ``engine.step()`` at batch 1 (and ``--batches``) with CUDA graphs, under
 ``torch.profiler``: the GPU kernels by device time per step, the step's phases (scheduling,
 input building, graph replay, logits, sampling, appending) by host time, and how much of the
 step the GPU is busy. A step far above its floor with the GPU mostly idle is host-bound; one
-with the GPU busy is kernel-bound. ``--attention-peers``: torch's fused attention kernels on the
-same fresh prompts. ``--sweep``: the prefill kernel's launch shapes (``PrefillTiles``), fresh
-and chunked prompts, each checked against the torch reference, TFLOP/s against the matmul rate.
+with the GPU busy is kernel-bound. ``--sweep`` (the prefill kernel's launch shapes),
+``--attention-peers`` (torch's fused attention on fresh prompts) and ``--fresh`` (the engine's
+two routes for fresh prompts): ``gpu_prefill.py``.
 
     python benchmarks/gpu_profile.py --decode random-1b --sweep --out out.json
 """
@@ -14,8 +14,6 @@ and chunked prompts, each checked against the torch reference, TFLOP/s against t
 from __future__ import annotations
 
 import argparse
-import inspect
-import itertools
 import json
 import statistics
 import sys
@@ -29,12 +27,10 @@ from common import format_table, log, model_path  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
-from gpu_kernels import DEV, H_KV, H_Q, D, bench, ceilings, paged_pool  # noqa: E402
+from gpu_kernels import ceilings  # noqa: E402
+from gpu_prefill import attention_peers, engine_prefill, fresh_prefill, sweep_prefill  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
-
-from kernels import reference  # noqa: E402
-from kernels.triton_prefill import PrefillTiles, paged_attention_prefill  # noqa: E402
 
 # (owner under the engine, method): each becomes a profiler range "phase:owner.method"
 PHASES = [("scheduler", "schedule"), ("model_runner", "_gather"), ("model_runner", "run"),
@@ -136,99 +132,6 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
     return result
 
 
-def sweep_prefill(rate: float) -> list[dict]:
-    rows = []
-    shapes = [PrefillTiles(m, n, w, s) for m, n, w, s in itertools.product(
-        (64, 128), (32, 64, 128), (4, 8), (2, 3)) if not (m == 64 and w == 8)]
-    for seqs in [[(2048, 2048)] * 4, [(512, 2048)] * 4]:
-        k, v, tables, lens = paged_pool([c for _, c in seqs])
-        cu = torch.tensor([0] + [n for n, _ in seqs]).cumsum(0).to(DEV, torch.int32)
-        q = torch.randn(int(cu[-1]), H_Q, D, device=DEV, dtype=torch.bfloat16)
-        args = (q, k, v, cu, tables, lens, D**-0.5)
-        want = reference.paged_attention_prefill(*args).float()
-        flops = sum(4.0 * n * (c - n / 2) * H_Q * D for n, c in seqs)
-        case = f"{len(seqs)}x{seqs[0][0]} new of {seqs[0][1]}"
-        for tiles in shapes:
-            try:
-                got = paged_attention_prefill(*args, tiles=tiles)
-                torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
-                ms = bench(lambda a=args, t=tiles: paged_attention_prefill(*a, tiles=t))
-            except Exception as exc:  # out of shared memory, registers: the shape is out
-                log(f"{case} {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            rows.append({"case": case, **tiles._asdict(), "ms": ms,
-                         "TFLOP/s": flops / ms * 1e-9, "of_matmul": flops / ms * 1e3 / rate})
-        best = max((r for r in rows if r["case"] == case), key=lambda r: r["TFLOP/s"])
-        log(f"prefill {case}: best {best}")
-    print(format_table(list(rows[0]), [list(r.values()) for r in rows]), flush=True)
-    return rows
-
-
-def attention_peers(rate: float, seqs: int = 4, length: int = 2048) -> list[dict]:
-    """torch's own fused attention on the prefill case's fresh prompts (dense, causal, GQA), by
-    backend, and ``varlen_attn`` (FlashAttention on packed sequences) where this torch has it:
-    what rate a prefill that reads K and V contiguously, not through block tables, reaches."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(seqs, H_Q, length, D, device=DEV, dtype=torch.bfloat16)
-    k, v = (torch.randn(seqs, H_KV, length, D, device=DEV, dtype=torch.bfloat16) for _ in "kv")
-    flops = seqs * 4.0 * length * (length / 2) * H_Q * D
-    calls = {}
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION):
-        def sdpa(b: SDPBackend = backend) -> torch.Tensor:
-            with sdpa_kernel(b):
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=True)
-        calls[f"sdpa {backend.name}"] = sdpa
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-
-        params = inspect.signature(varlen_attn).parameters  # it changed between releases
-        kq, vq = (k, v) if "enable_gqa" in params else (
-            t.repeat_interleave(H_Q // H_KV, dim=1) for t in (k, v))
-        packed = [t.transpose(1, 2).reshape(seqs * length, -1, D).contiguous()
-                  for t in (q, kq, vq)]
-        cu = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
-        kwargs: dict = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        log(f"varlen_attn{inspect.signature(varlen_attn)}")
-        calls["varlen_attn"] = lambda: varlen_attn(*packed, cu, cu, length, length, **kwargs)
-    except ImportError as exc:
-        log(f"varlen_attn: {exc}")
-    # ragged sequences as torch's jagged nested tensors (the engine packs prompts so), through
-    # the cuDNN backend: whether a varlen prefill can reach the dense rate
-    # (their fused kernels want as many K/V heads as query heads: K and V repeated)
-    offsets = torch.arange(0, seqs + 1, device=DEV) * length  # one object: one ragged dim
-    njt = [torch.nested.nested_tensor_from_jagged(
-        t.repeat_interleave(H_Q // t.shape[1], dim=1).transpose(1, 2).reshape(seqs * length, -1, D),
-        offsets).transpose(1, 2) for t in (q, k, v)]
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-        def nested(b: SDPBackend = backend) -> torch.Tensor:
-            with sdpa_kernel(b):
-                return torch.nn.functional.scaled_dot_product_attention(
-                    *njt, is_causal=True)
-        calls[f"sdpa nested {backend.name}"] = nested
-    pool_k, pool_v, tables, lens = paged_pool([length] * seqs)
-    packed_q = q.transpose(1, 2).reshape(seqs * length, H_Q, D).contiguous()
-    cu_q = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
-    calls["pagedq triton prefill (paged)"] = lambda: paged_attention_prefill(
-        packed_q, pool_k, pool_v, cu_q, tables, lens, D**-0.5)
-    rows = []
-    for name, fn in calls.items():
-        try:
-            ms = bench(fn)
-        except Exception as exc:  # a backend this build or shape lacks
-            log(f"{name}: {type(exc).__name__}: {str(exc)[:160]}")
-            continue
-        rows.append({"attention": name, "ms": ms, "TFLOP/s": flops / ms * 1e-9,
-                     "of_matmul": flops / ms * 1e3 / rate})
-    if rows:
-        print(format_table(list(rows[0]), [list(r.values()) for r in rows]), flush=True)
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode", nargs="*", default=[], help="models to profile")
@@ -238,6 +141,10 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="sweep the prefill launch shapes")
     p.add_argument("--attention-peers", action="store_true",
                    help="torch's fused attention on the prefill case, for comparison")
+    p.add_argument("--fresh", action="store_true",
+                   help="the engine's routes for fresh prefills (paged Triton, cuDNN)")
+    p.add_argument("--prefill", nargs="*", default=[],
+                   help="models whose whole prefill steps to time by each attention route")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     bw, rate = ceilings()
@@ -248,6 +155,10 @@ def main() -> None:
                         for name in args.decode for b in args.batches.split(",")]
     if args.sweep:
         result["sweep"] = sweep_prefill(rate)
+    result["prefill"] = [row for name in args.prefill
+                         for row in engine_prefill(str(model_path(name)), rate)]
+    if args.fresh:
+        result["fresh_prefill"] = fresh_prefill(rate)
     if args.attention_peers:
         result["attention_peers"] = attention_peers(rate)
     if args.out:

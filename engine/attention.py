@@ -39,7 +39,11 @@ class PagedAttention(DirectModule):
                                                 g.block_tables, g.context_lens, self.scale,
                                                 *kv_scales)
                  for g in ctx.decode_groups]
-        if num_decode < q.shape[0]:
+        fresh = ctx.prefill_fresh_lens
+        if fresh is not None and kernels.fresh_prefill_pays(q, self.k_cache, fresh):
+            parts.append(kernels.prefill_attention_fresh(
+                q[num_decode:], k[num_decode:], v[num_decode:], fresh, self.scale))
+        elif num_decode < q.shape[0]:
             cu_seqlens_q, tables, lens = (ctx.prefill_cu_seqlens_q, ctx.prefill_block_tables,
                                           ctx.prefill_context_lens)
             assert cu_seqlens_q is not None and tables is not None and lens is not None

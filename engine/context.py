@@ -45,6 +45,8 @@ class Context:
     prefill_cu_seqlens_q: torch.Tensor | None = None
     prefill_block_tables: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    # the prefill chunks' lengths where every one is a whole prompt with nothing cached
+    prefill_fresh_lens: list[int] | None = None
 
 
 _LOCAL = threading.local()  # per thread, so engines in different threads do not mix steps

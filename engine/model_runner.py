@@ -162,6 +162,10 @@ class ModelRunner:
             ctx.prefill_block_tables = self._block_tables(tables[num_decode:])
             ctx.prefill_context_lens = self._tensor(lens[num_decode:], torch.int32)
             ctx.prefill_cu_seqlens_q = self._tensor(step.cu_seqlens, torch.int32)
+            cu = step.cu_seqlens
+            chunks = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+            if chunks == lens[num_decode:]:  # each chunk is its whole context: no prefix
+                ctx.prefill_fresh_lens = chunks
         return ctx
 
     def _forward(self, step: StepInputs) -> torch.Tensor:

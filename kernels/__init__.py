@@ -114,6 +114,29 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale)
 
 
+# The shortest prompt that fresh prefills take ``prefill_attention_fresh`` for, on CUDA: it costs
+# one host call a prompt and layer against the paged kernel's one a layer.
+FRESH_PREFILL_MIN_TOKENS = 1024
+
+
+def fresh_prefill_pays(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: list[int],
+                       backend: str | None = None) -> bool:
+    """Whether prompts with nothing cached (``seq_lens`` tokens each) are attended by
+    ``prefill_attention_fresh`` rather than the paged kernel: on the CUDA backend, in bfloat16
+    or float16 with a pool of the same dtype (an fp8 pool's attention reads the quantized KV),
+    every prompt at least ``FRESH_PREFILL_MIN_TOKENS`` long."""
+    if (backend or default_backend(q.device)) != "triton" or q.device.type != "cuda":
+        return False
+    return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
+            and min(seq_lens) >= FRESH_PREFILL_MIN_TOKENS)
+
+
+def prefill_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            seq_lens: list[int], scale: float,
+                            backend: str | None = None) -> torch.Tensor:
+    return _resolve("prefill_attention_fresh", q.device, backend)(q, k, v, seq_lens, scale)
+
+
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor,
                 backend: str | None = None) -> None:
     """Copies bytes: fp8 caches need no scales."""

@@ -111,6 +111,23 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def prefill_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Prompts with nothing cached: ``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]`` their
+    new rows (strided views allowed), prompt ``i`` the next ``seq_lens[i]`` rows, each
+    attending causally to itself alone. What ``paged_attention_prefill`` gives for such prompts
+    once their KV is stored (an fp8 pool aside: this reads K and V unquantized)."""
+    out = torch.empty_like(q)
+    start = 0
+    for n in seq_lens:
+        rows = slice(start, start + n)
+        heads = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, L, D] views
+        out[rows] = F.scaled_dot_product_attention(
+            *heads, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        start += n
+    return out
+
+
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """Copy-on-write: for each ``(src, dst)`` row of ``block_mapping``, copy block ``src`` to
     ``dst`` in every cache (each ``[num_blocks, ...]``)."""

@@ -7,10 +7,12 @@ call), so at the first divergence each side's token must be in the other's top 5
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import kernels
 from engine import LLM, SamplingParams
 from tests.test_parity import _prompts, _smollm2_prompts
 
@@ -72,13 +74,28 @@ def test_fp32_exact(name: str, request: pytest.FixtureRequest,
     assert [t for t, _ in _engine_greedy(llm, prompts, max_new)] == expected
 
 
+@pytest.mark.parametrize("route", ["paged", "fresh"])
 @pytest.mark.parametrize("name", ["tiny_llama", "smollm2"])
-def test_bf16_top5(name: str, request: pytest.FixtureRequest,
-                   make_llm: Callable[..., LLM]) -> None:
+def test_bf16_top5(name: str, route: str, request: pytest.FixtureRequest,
+                   make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route`` fresh: every prompt's prefill attention through
+    ``kernels.prefill_attention_fresh`` (cuDNN), whatever its length (calls counted)."""
     model, prompts, max_new = _case(name, request)
     theirs = _hf_greedy(model, prompts, max_new, torch.bfloat16)
+    calls: list[list[int]] = []
+    if route == "fresh":
+        fresh = kernels.prefill_attention_fresh
+
+        def counted(*args: Any) -> torch.Tensor:
+            calls.append(args[3])
+            return fresh(*args)
+
+        monkeypatch.setattr(kernels, "FRESH_PREFILL_MIN_TOKENS", 1)
+        monkeypatch.setattr(kernels, "prefill_attention_fresh", counted)
     llm = make_llm(model, device="cuda", dtype="bfloat16", num_kv_blocks=256)
     ours = _engine_greedy(llm, prompts, max_new)
+    if route == "fresh":  # every prompt's prefill went by it (one token is a decode row)
+        assert {len(p) for p in prompts if len(p) > 1} <= {n for lens in calls for n in lens}
     diverged = 0
     for i, ((a, top_a), (b, top_b)) in enumerate(zip(ours, theirs, strict=True)):
         first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
