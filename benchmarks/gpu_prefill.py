@@ -180,7 +180,8 @@ def engine_prefill(path: str, rate: float, seqs: int = 4, length: int = 2048,
     for r in range(rounds + 1):  # round 0 warms both routes up
         for route, min_tokens in (("paged triton", 10**9), ("fresh cudnn", threshold)):
             kernels.FRESH_PREFILL_MIN_TOKENS = min_tokens
-            prompts = torch.randint(3, llm.engine.vocab_size, (seqs, length), generator=gen).tolist()
+            prompts = torch.randint(3, llm.engine.vocab_size, (seqs, length),
+                                    generator=gen).tolist()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
