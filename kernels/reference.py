@@ -121,9 +121,9 @@ def prefill_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     start = 0
     for n in seq_lens:
         rows = slice(start, start + n)
-        heads = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, L, D] views
+        qh, kh, vh = (t[rows].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D] views
         out[rows] = F.scaled_dot_product_attention(
-            *heads, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
         start += n
     return out
 
