@@ -153,7 +153,7 @@ def fresh_prefill(rate: float, cases: tuple[tuple[int, int], ...] = (
     return rows
 
 
-def engine_prefill(path: str, rate: float, seqs: int = 4, length: int = 2048,
+def engine_prefill(path: str, rate: float, seqs: int = 4, length: int = 2032,
                    rounds: int = 3, device: str = "cuda") -> list[dict]:
     """Whole prefill steps of ``seqs`` fresh prompts of ``length`` tokens through ``LLM`` (one
     new token each, so the step is the prefill), the attention by each route in turn: the

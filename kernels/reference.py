@@ -114,9 +114,10 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def prefill_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             seq_lens: list[int], scale: float) -> torch.Tensor:
     """Prompts with nothing cached: ``q`` ``[T, H_q, D]``, ``k``/``v`` ``[T, H_kv, D]`` their
-    new rows (strided views allowed), prompt ``i`` the next ``seq_lens[i]`` rows, each
-    attending causally to itself alone. What ``paged_attention_prefill`` gives for such prompts
-    once their KV is stored (an fp8 pool aside: this reads K and V unquantized)."""
+    new rows (strided views allowed), prompt ``i`` the next ``seq_lens[i]`` rows (at least 2:
+    cuDNN's route has no kernel for one key), each attending causally to itself alone. What
+    ``paged_attention_prefill`` gives for such prompts once their KV is stored (an fp8 pool
+    aside: this reads K and V unquantized)."""
     out = torch.empty_like(q)
     start = 0
     for n in seq_lens:
