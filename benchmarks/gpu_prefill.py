@@ -111,29 +111,30 @@ def attention_peers(rate: float, seqs: int = 4, length: int = 2048) -> list[dict
     return rows
 
 
-def fresh_prefill(rate: float, cases: tuple[tuple[int, int], ...] = (
-        (4, 2048), (4, 1024), (8, 512), (16, 256), (32, 128))) -> list[dict]:
+def fresh_prefill(rate: float, cases: tuple[list[int], ...] = (
+        [2048] * 4, [2048, 2040, 2032, 2024], [1024] * 4, [1024, 1016, 1008, 1000],
+        [512] * 8, [256] * 16, [128] * 32)) -> list[dict]:
     """The engine's two routes for prompts with nothing cached, at the model's layouts (q packed,
     k and v strided views of one projection): the paged Triton kernel over the pool, and
-    ``prefill_attention_fresh`` (cuDNN, one call a prompt) over the new rows; each checked
+    ``prefill_attention_fresh`` (cuDNN, one call a run of equal lengths) over the new rows; checked
     against the reference. ``ms``: do_bench's median, host launches included where they are
     the slower; ``host_us``: the host's time a call (what sets ``FRESH_PREFILL_MIN_TOKENS``)."""
     import kernels
 
     rows = []
-    for seqs, length in cases:
-        lens = [length] * seqs
+    for lens in cases:
+        seqs = len(lens)
         width = (H_Q + 2 * H_KV) * D
-        qkv = torch.randn(seqs * length, width, device=DEV, dtype=torch.bfloat16)
+        qkv = torch.randn(sum(lens), width, device=DEV, dtype=torch.bfloat16)
         q, k, v = qkv.split([H_Q * D, H_KV * D, H_KV * D], dim=-1)
         q = q.reshape(-1, H_Q, D)  # the rotary's output is contiguous
         k, v = k.view(-1, H_KV, D), v.view(-1, H_KV, D)
         pool_k, pool_v, tables, ctx = paged_pool(lens)
-        cu = torch.arange(0, seqs + 1, device=DEV, dtype=torch.int32) * length
+        cu = torch.tensor([0, *lens]).cumsum(0).to(DEV, torch.int32)
         want = reference.prefill_attention_fresh(q.float(), k.float(), v.float(), lens, D**-0.5)
         got = kernels.prefill_attention_fresh(q, k, v, lens, D**-0.5)
         torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
-        flops = seqs * 4.0 * length * (length / 2) * H_Q * D
+        flops = sum(4.0 * n * (n / 2) * H_Q * D for n in lens)
         paged_args = (q, pool_k, pool_v, cu, tables, ctx, D**-0.5)
         fresh_args = (q, k, v, lens, D**-0.5)
         routes = {"paged triton": lambda a=paged_args: paged_attention_prefill(*a),
@@ -146,7 +147,8 @@ def fresh_prefill(rate: float, cases: tuple[tuple[int, int], ...] = (
                 fn()
             host_us = (time.perf_counter() - t0) / 20 * 1e6
             torch.cuda.synchronize()
-            rows.append({"case": f"{seqs}x{length}", "route": name, "ms": ms,
+            case = f"{seqs}x{lens[0]}" if len(set(lens)) == 1 else f"{lens[0]}..{lens[-1]}"
+            rows.append({"case": case, "route": name, "ms": ms,
                          "host_us": host_us, "TFLOP/s": flops / ms * 1e-9,
                          "of_matmul": flops / ms * 1e3 / rate})
     print(format_table(list(rows[0]), [list(r.values()) for r in rows]), flush=True)

@@ -15,6 +15,8 @@ themselves (a masked score is dropped, but ``0 * NaN`` in ``P @ V`` is not); pre
 them off before attention.
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -117,16 +119,17 @@ def prefill_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     new rows (strided views allowed), prompt ``i`` the next ``seq_lens[i]`` rows (at least 2:
     cuDNN's route has no kernel for one key), each attending causally to itself alone. What
     ``paged_attention_prefill`` gives for such prompts once their KV is stored (an fp8 pool
-    aside: this reads K and V unquantized)."""
-    out = torch.empty_like(q)
-    start = 0
-    for n in seq_lens:
-        rows = slice(start, start + n)
-        qh, kh, vh = (t[rows].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D] views
-        out[rows] = F.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-        start += n
-    return out
+    aside: this reads K and V unquantized). Consecutive prompts of one length are one batch:
+    their packed rows viewed as ``[B, H, L, D]``, no copies in."""
+    parts, start = [], 0
+    for length, run in itertools.groupby(seq_lens):
+        rows = slice(start, start + len(list(run)) * length)
+        qh, kh, vh = (t[rows].unflatten(0, (-1, length)).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        parts.append(out.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        start = rows.stop
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:

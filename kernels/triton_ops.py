@@ -137,9 +137,10 @@ def prefill_attention_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             seq_lens: list[int], scale: float) -> torch.Tensor:
     """As the reference's, through cuDNN's fused attention (bfloat16 and float16 only: it has
     no float32 kernel). On an H100 (session 18; 4 prompts of 2,048 tokens, 32 query and 8 KV
-    heads of 128, bf16) it ran in 0.27 ms, 72 % of the matmul rate, against 0.49 ms (41 %) for
-    the paged Triton kernel and 0.48 for FlashAttention-2. torch offers it on dense batches of
-    equal lengths only (as jagged nested tensors it fell to 3 TFLOP/s): one call a prompt, so
+    heads of 128, bf16, one dense batch) it ran in 0.27 ms, 72 % of the matmul rate, against
+    0.49 ms (41 %) for the paged Triton kernel and 0.48 for FlashAttention-2. torch offers it on
+    dense batches of equal lengths only (as jagged nested tensors it fell to 3 TFLOP/s): one
+    call a run of equal lengths, each costing the host ~65 us (session 20), so
     ``kernels.fresh_prefill_pays`` keeps it to long prompts."""
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return reference.prefill_attention_fresh(q, k, v, seq_lens, scale)

@@ -53,7 +53,7 @@ def _paged_expected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: lis
 
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 32), (3, 128)])
 def test_reference_is_the_paged_reference(group: int, head_dim: int) -> None:
-    lens = [1, 7, 33, 64]
+    lens = [2, 7, 33, 33, 33, 64]
     q, k, v = _packed(lens, 2, group, head_dim, torch.float32)
     got = reference.prefill_attention_fresh(q, k, v, lens, head_dim**-0.5)
     torch.testing.assert_close(got, _paged_expected(q, k, v, lens), atol=1e-6, rtol=1e-6)
@@ -81,8 +81,9 @@ def test_route() -> None:
 def test_cudnn(dtype: torch.dtype, group: int, head_dim: int) -> None:
     from kernels import triton_ops
 
-    lens = [2048, 2, 1500, 37, 1024]  # cuDNN has no kernel for one key: the engine sends
-    # one-token prompts down the decode path
+    # runs of one length are batched; cuDNN has no kernel for one key (the engine sends
+    # one-token prompts down the decode path)
+    lens = [2048, 2048, 2, 1500, 37, 37, 37, 1024]
     q, k, v = _packed(lens, 8 if group < 8 else 2, group, head_dim, dtype)
     got = triton_ops.prefill_attention_fresh(q, k, v, lens, head_dim**-0.5)
     assert got.isfinite().all()
