@@ -60,19 +60,21 @@ def test_reference_is_the_paged_reference(group: int, head_dim: int) -> None:
 
 
 def test_route() -> None:
-    """Only the CUDA backend, in bf16/fp16 with a pool of the same dtype, long prompts only."""
-    long = [kernels.FRESH_PREFILL_MIN_TOKENS] * 2
+    """Only the CUDA backend, in bf16/fp16 with a pool of the same dtype, each run of equal
+    lengths long enough in all."""
+    least = kernels.FRESH_PREFILL_MIN_TOKENS
     cpu = torch.empty(1, dtype=torch.bfloat16)
-    assert not kernels.fresh_prefill_pays(cpu, cpu, long)
-    assert not kernels.fresh_prefill_pays(cpu, cpu, long, backend="torch")
+    assert not kernels.fresh_prefill_pays(cpu, cpu, [least])
+    assert not kernels.fresh_prefill_pays(cpu, cpu, [least], backend="torch")
     if not CUDA:
         return
     bf16 = torch.empty(1, dtype=torch.bfloat16, device="cuda")
-    assert kernels.fresh_prefill_pays(bf16, bf16, long)
-    assert not kernels.fresh_prefill_pays(bf16, bf16, [*long, long[0] - 1])
-    assert not kernels.fresh_prefill_pays(bf16.float(), bf16.float(), long)
-    fp8 = bf16.to(torch.float8_e4m3fn)
-    assert not kernels.fresh_prefill_pays(bf16, fp8, long)
+    assert kernels.fresh_prefill_pays(bf16, bf16, [least, least + 1])
+    assert kernels.fresh_prefill_pays(bf16, bf16, [least // 4] * 4 + [least])
+    assert not kernels.fresh_prefill_pays(bf16, bf16, [least // 4] * 3 + [least])
+    assert not kernels.fresh_prefill_pays(bf16, bf16, [least // 2, least // 2 + 1])
+    assert not kernels.fresh_prefill_pays(bf16.float(), bf16.float(), [least])
+    assert not kernels.fresh_prefill_pays(bf16, bf16.to(torch.float8_e4m3fn), [least])
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
