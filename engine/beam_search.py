@@ -149,6 +149,7 @@ class BeamSearcher:
         self.eos_token_ids = eos_token_ids
         self.tokens_generated = 0
         self.num_finished = 0  # beam searches that ran to their end
+        self.num_live = 0  # beam searches added and not yet finished or aborted
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
             priority: int) -> BeamGroup:
@@ -158,6 +159,7 @@ class BeamSearcher:
                           set() if params.ignore_eos else set(self.eos_token_ids), seq)
         seq.group = group
         self.scheduler.add(seq)
+        self.num_live += 1
         return group
 
     def abort(self, group: BeamGroup) -> None:
@@ -165,6 +167,7 @@ class BeamSearcher:
         for seq in group.members:
             self.scheduler.finish(seq, "abort")
         group.done = True
+        self.num_live -= 1
 
     def step(self, sampled: list[Sequence], logits: torch.Tensor
              ) -> tuple[list[Sequence], torch.Tensor, list[RequestDelta]]:
@@ -188,6 +191,7 @@ class BeamSearcher:
             self._advance(group, batch)
             if group.done:
                 self.num_finished += 1
+                self.num_live -= 1
                 results.append(self._result(group))
         return [sampled[i] for i in rows], logits[rows], results
 

@@ -27,4 +27,7 @@ class EngineConfig(BaseModel):
     # uses 1.0 (vLLM's default; see engine.kv_cache for why ours differs)
     calculate_kv_scales: bool = True
     enforce_eager: bool = False  # CUDA: run decode eagerly instead of replaying CUDA graphs
+    # schedule and launch the next step while this one's tokens are on the device
+    # (engine.async_step); None: on CUDA only (on the CPU the host and the model share cores)
+    async_scheduling: bool | None = None
     seed: int = 0  # the global RNG, for requests without a seed of their own

@@ -31,6 +31,9 @@ class StepInputs:
     cu_seqlens: list[int] = field(default_factory=lambda: [0])  # the prefill chunks'
     num_decode: int = 0
     logit_rows: list[int] = field(default_factory=list)  # the tokens whose logits are sampled
+    # (row, row of the previous step's sampled tokens): decode rows whose input token is still
+    # on the device (async scheduling: engine.async_step)
+    deferred: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:

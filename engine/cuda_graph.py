@@ -44,10 +44,11 @@ class DecodeGraphs:
         self.model = model
         self.sizes = graph_batch_sizes(max_batch)
         n = self.sizes[-1]
-        # int64 [3, n]: token ids, positions, slots; int32: context lengths, then block tables
-        self.longs = torch.zeros(3, n, dtype=torch.int64, device=device)
+        # int64 [4, n]: token ids, positions, slots, the deferred rows' sources (-1: none);
+        # int32: context lengths, then block tables
+        self.longs = torch.zeros(4, n, dtype=torch.int64, device=device)
         self.ints = torch.zeros(n * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.longs
+        self.input_ids, self.positions, self.slot_mapping, self.sources = self.longs
         self.context_lens = self.ints[:n]
         self.block_tables = self.ints[n:].view(n, max_blocks_per_seq)
         self.slot_mapping.fill_(-1)  # the captures' warm-up forwards write no KV
@@ -89,9 +90,10 @@ class DecodeGraphs:
     def can_run(self, step: StepInputs) -> bool:
         return step.decode_only and len(step.input_ids) <= self.sizes[-1]
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states ``[n, H]`` of a decode-only step (``can_run``) of ``n`` rows, a view
-        of the graphs' output buffer that the next replay overwrites."""
+        of the graphs' output buffer that the next replay overwrites. ``step.deferred`` rows
+        take their token from ``prev_tokens`` on the device, outside the graph."""
         n = len(step.input_ids)
         batch = padded_size(n, self.sizes)
         assert batch is not None and self.can_run(step)
@@ -102,9 +104,18 @@ class DecodeGraphs:
         lens[:n], lens[n:batch] = step.context_lens, 1
         for row, table in zip(self.staged_tables.numpy(), step.block_tables, strict=False):
             row[:len(table)] = table
+        if step.deferred:
+            longs[3, :batch] = -1
+            for row, src in step.deferred:
+                longs[3, row] = src
         self.longs.copy_(self.staged_longs, non_blocking=True)  # whole: a strided slice is not
         self.context_lens[:batch].copy_(self.staged_lens[:batch], non_blocking=True)
         self.block_tables[:batch].copy_(self.staged_tables[:batch], non_blocking=True)
         self.copied.record()
+        if step.deferred:
+            assert prev_tokens is not None
+            src = self.sources[:batch]
+            self.input_ids[:batch] = torch.where(src >= 0, prev_tokens[src.clamp(min=0)],
+                                                 self.input_ids[:batch])
         self.graphs[batch].replay()
         return self.hidden[:n]

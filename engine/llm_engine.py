@@ -10,16 +10,18 @@ import structlog
 import torch
 from transformers import AutoTokenizer
 
+from engine.async_step import Launched, can_overlap, defer
 from engine.beam_search import BeamSearcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer, decode
 from engine.loader import eos_token_ids, load_config
 from engine.model_runner import ModelRunner, fit_kv_blocks
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, SampleDelta
 from engine.quantization import checkpoint_quantization
 from engine.request import Limits, Request, Resume, check_beam, prompt_ids
-from engine.sampler import Sampler, SamplerOutput, skip_draws
+from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -67,7 +69,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.limits = Limits(self.vocab_size, self.max_model_len, config.block_size, num_blocks,
                              config.max_num_seqs)
-        self.tokens_generated = 0
+        self.output = OutputProcessor(self.scheduler, self.requests, self.eos_token_ids,
+                                      self.max_model_len)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        self.inflight: Launched | None = None  # the step launched ahead (async scheduling)
         log.info("engine ready", model=str(path), device=str(self.device), dtype=str(dtype),
                  activations=str(self.model_runner.model.model.embed_tokens.weight.dtype),
                  quantization=self.quantization, kv_blocks=num_blocks,
@@ -159,41 +165,49 @@ class LLMEngine:
         return {t: decode(self.tokenizer, [t]) for t in set(token_ids)}
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.inflight is not None or self.scheduler.has_unfinished()
 
     def has_waiting(self) -> bool:
         """Whether some request waits to start (or to resume, preempted)."""
         return bool(self.scheduler.waiting)
 
     def step(self) -> list[RequestDelta]:
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        """Runs a step and returns its deltas. Under async scheduling (engine.async_step) a
+        step is launched one call ahead: the next is launched before this one is read."""
+        launched, self.inflight = self.inflight or self._launch(), None
+        if launched is None:
             return []
-        sampled, logits = self.model_runner.run(batch)
+        following = None
+        if self.async_scheduling and can_overlap(launched, self.beam_search.num_live):
+            following = self._launch(launched)
+        results = self.output.read(launched)
+        self.block_manager.record_use(self.scheduler.running)
+        if following is not None:  # its blocks' tokens are all known now
+            for seq in following.batch:
+                if not seq.is_finished:
+                    self.block_manager.register_computed(seq)
+        self.inflight = following
+        return results
+
+    def _launch(self, after: Launched | None = None) -> Launched | None:
+        """Schedules and queues a step; ``after``: the step before it, not read yet."""
+        held = defer(after, self.output.length_done) if after is not None else set()
+        batch = self.scheduler.schedule(held)
+        if not batch.seqs:
+            return None
+        prev = after.sampled.tokens if after is not None and after.sampled else None
+        sampled, logits = self.model_runner.run(batch, prev)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
-            self.block_manager.register_computed(seq)
+            if after is None:
+                self.block_manager.register_computed(seq)
         sampled, logits, results = self.beam_search.step(sampled, logits)
         for delta in results:
             del self.requests[delta.request_id]
         seqs = sampled
         if any(seq.pending_forks for seq in sampled):  # prompts computed: n samples part here
             logits, seqs = self._fork(sampled, logits)
-        out = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
-        self.tokens_generated += len(seqs)
-        deltas: dict[str, list[SampleDelta]] = {}
-        for i, seq in enumerate(seqs):
-            deltas.setdefault(seq.request_id, []).append(
-                self._append(seq, out.token_ids[i], out.logprobs[i]))
-        self.block_manager.record_use(self.scheduler.running)
-        for request_id, samples in deltas.items():
-            # a request finishes on a step one of its samples does
-            finished = (any(sample.finish_reason for sample in samples)
-                        and self.requests[request_id].finished)
-            if finished:
-                del self.requests[request_id]
-            results.append(RequestDelta(request_id, samples, finished))
-        return results
+        return Launched(batch.seqs, self.sampler.sample(logits, seqs) if seqs else None, results)
 
     def _fork(self, sampled: list[Sequence],
               logits: torch.Tensor) -> tuple[torch.Tensor, list[Sequence]]:
@@ -213,26 +227,6 @@ class LLMEngine:
             seqs += group
         return logits[torch.tensor(rows, device=logits.device)], seqs
 
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> SampleDelta:
-        seq.token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        params = seq.params
-        reason = None
-        if (token in params.stop_token_ids
-                or (not params.ignore_eos and token in self.eos_token_ids)):
-            reason = "stop"
-        elif ((params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-              or len(seq) >= self.max_model_len):  # max_tokens None: up to the context
-            reason = "length"
-        detokenizer = self.requests[seq.request_id].detokenizers[seq.seq_id]
-        if detokenizer.add([token]):
-            reason = "stop"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return SampleDelta(seq.index, [token], detokenizer.pop_delta(finished=reason is not None),
-                           [logprobs] if logprobs is not None else None, reason)
-
     def stats(self) -> dict[str, float | str]:
         bm = self.block_manager
         held, blocks = bm.held_slots(self.scheduler.running)
@@ -249,7 +243,8 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "preemptions": self.scheduler.num_preemptions,
-            "tokens_generated": self.tokens_generated + self.beam_search.tokens_generated,
+            "tokens_generated": (self.output.tokens_generated
+                                 + self.beam_search.tokens_generated),
             "beam_searches": self.beam_search.num_finished,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -134,6 +134,8 @@ class ModelRunner:
             seq, num_new = batch.seqs[j], batch.num_new_tokens[j]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             if num_new == 1:  # a decode row: no slices
+                if seq.pending_row is not None:
+                    step.deferred.append((len(step.input_ids), seq.pending_row))
                 step.input_ids.append(seq.token_ids[start])
                 step.positions.append(start)
                 step.slot_mapping.append(seq.block_table[start // bs] * bs + start % bs)
@@ -168,13 +170,17 @@ class ModelRunner:
                 ctx.prefill_fresh_lens = chunks
         return ctx
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
+    def _forward(self, step: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The hidden states of every input token: a CUDA graph's replay for the decode steps
         that fit one (it stages the host lists itself), the CPU's native decode, or the model
-        eagerly."""
+        eagerly. ``step.deferred`` rows take their token from ``prev_tokens``."""
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.graphs.run(step)
+            return self.graphs.run(step, prev_tokens)
         input_ids = self._tensor(step.input_ids, torch.int64)
+        if step.deferred:
+            assert prev_tokens is not None
+            rows, src = zip(*step.deferred, strict=True)
+            input_ids[list(rows)] = prev_tokens[list(src)]
         positions = self._tensor(step.positions, torch.int64)
         ctx = self._context(step)
         if self.cpu_decode is not None and self.cpu_decode.can_run(ctx, input_ids.shape[0]):
@@ -186,14 +192,17 @@ class ModelRunner:
             set_context(None)
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor]:
+    def run(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None = None
+            ) -> tuple[list[Sequence], torch.Tensor]:
         """Computes the batch's KV and returns the sequences that sample this step with their
-        float32 logits ``[len(seqs), vocab]``."""
+        float32 logits ``[len(seqs), vocab]``. ``prev_tokens``: the previous step's sampled
+        tokens, still on the device, where sequences' last tokens are pending
+        (``Sequence.pending_row``)."""
         if batch.copies:
             kernels.copy_blocks(list(self.kv_cache.flatten(0, 1)),  # every layer's K and V
                                 self._tensor(batch.copies, torch.int64))
         step, sample_seqs = self._gather(batch)
-        hidden = self._forward(step)
+        hidden = self._forward(step, prev_tokens)
         if not sample_seqs:
             return [], hidden.new_empty(0, 0, dtype=torch.float32)
         if len(step.logit_rows) < hidden.shape[0]:  # else every row, in order (decode steps)

@@ -144,13 +144,16 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        return self.sample(logits, seqs).read()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "Sampled":
+        """The tokens, left on the logits' device until ``Sampled.read``."""
         logits = self._mask_min_tokens(apply_penalties(logits, seqs), seqs)
         tokens = kernels.argmax(logits)  # greedy rows; ties go to the lowest id, as in HF
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
             tokens[rows] = self._draw(logits[rows], [seqs[i] for i in rows])
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, seqs, token_ids))
+        return Sampled(tokens, logits, seqs)
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Under min_tokens, forbid every token that would stop the sequence (as vLLM: the
@@ -208,3 +211,26 @@ class Sampler:
             top[token_ids[i]] = c
             out[i] = top
         return out
+
+
+class Sampled:
+    """A step's sampled tokens ``[len(seqs)]`` on the device, copied to pinned host memory as
+    soon as the sampling kernels are queued (on CUDA): ``read`` waits for this step's tokens
+    only, not for whatever the stream was given after them (the next step, under async
+    scheduling), as ``tolist`` would."""
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        self.tokens, self.logits, self.seqs = tokens, logits, seqs
+        self.host, self.copied = tokens, None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def read(self) -> SamplerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_ids = self.host.tolist()
+        return SamplerOutput(token_ids, Sampler._logprobs(self.logits, self.seqs, token_ids))
+

@@ -84,13 +84,18 @@ class Scheduler:
             end += 1
         return end
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, held: set[int] | frozenset[int] = frozenset()) -> SchedulerOutput:
+        """``held``: ids of running sequences to leave out of this step (under async
+        scheduling, those that a token not yet read finishes: engine.async_step)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in held:
+                i += 1
+                continue
             unit = [seq] if seq.group is None else self.running[i:self._unit_end(i)]
             mark = len(out.seqs), len(out.copies), budget
             for seq in unit:

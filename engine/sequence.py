@@ -40,6 +40,10 @@ class Sequence:
         # Requests with n > 1 prefill once, then fork into n samples (see Scheduler).
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.group: BeamGroup | None = None  # the beam search this sequence is part of
+        # Async scheduling (engine.async_step): while a step that sampled this sequence's last
+        # token runs, ``token_ids`` ends with a placeholder and this is the token's row among
+        # that step's sampled tokens
+        self.pending_row: int | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             # Each sample draws from its own stream, so its output never depends on the batch.
