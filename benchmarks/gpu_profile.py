@@ -58,10 +58,12 @@ def _busy_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float) -> dict:
+def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float,
+                   async_scheduling: bool = True) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_path(name)), dtype="bfloat16", device="cuda", max_num_seqs=max(batch, 8))
+    llm = LLM(str(model_path(name)), dtype="bfloat16", device="cuda", max_num_seqs=max(batch, 8),
+              async_scheduling=async_scheduling)
     engine = llm.engine
     runner = engine.model_runner
     for owner, attr in PHASES:
@@ -72,7 +74,7 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
         _label(runner.graphs, "run", "phase:graphs.run")
     _label(runner.model, "compute_logits", "phase:compute_logits")
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8 * steps + 64, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", torch.randint(3, engine.vocab_size, (prompt_len,),
                                                   generator=gen).tolist(), params)
@@ -81,13 +83,14 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
         engine.step()
     for _ in range(5):
         engine.step()
-    wall = []
-    for _ in range(steps):
+    wall = []  # a step's time, from runs of ``steps`` steps (a step per call overlaps the
+    for _ in range(5):  # next under async scheduling: no synchronizing between them)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.step()
+        for _ in range(steps):
+            engine.step()
         torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3 / steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -111,6 +114,7 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     result = {
         "model": name, "batch": batch, "context": prompt_len, "floor_ms": floor_ms,
+        "async_scheduling": async_scheduling,
         "step_ms_median": statistics.median(wall),
         "x_floor": statistics.median(wall) / floor_ms,
         "profiled_step_ms": prof_wall_us / steps / 1e3,
@@ -136,6 +140,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decode", nargs="*", default=[], help="models to profile")
     p.add_argument("--batches", default="1")
+    p.add_argument("--async-scheduling", default="on", choices=["on", "off", "both"],
+                   help="the engine's, for --decode (both: off then on, per batch)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="sweep the prefill launch shapes")
@@ -151,8 +157,10 @@ def main() -> None:
     result: dict = {"info": {"device": torch.cuda.get_device_name(0),
                              "copy_GB/s": bw * 1e-9, "bf16_TFLOP/s": rate * 1e-12}}
     print(json.dumps(result["info"]), flush=True)
-    result["decode"] = [profile_decode(name, int(b), args.prompt_len, args.steps, bw)
-                        for name in args.decode for b in args.batches.split(",")]
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.async_scheduling]
+    result["decode"] = [profile_decode(name, int(b), args.prompt_len, args.steps, bw, mode)
+                        for name in args.decode for b in args.batches.split(",")
+                        for mode in modes]
     if args.sweep:
         result["sweep"] = sweep_prefill(rate)
     result["prefill"] = [row for name in args.prefill
