@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 # (owner under the engine, method): each becomes a profiler range "phase:owner.method"
 PHASES = [("scheduler", "schedule"), ("model_runner", "_gather"), ("model_runner", "run"),
-          ("beam_search", "step"), ("", "sampler"), ("", "_append")]
+          ("beam_search", "step"), ("sampler", "sample"), ("output", "_append")]
 
 
 def _label(obj: object, attr: str, name: str) -> None:

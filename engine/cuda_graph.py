@@ -100,7 +100,9 @@ class DecodeGraphs:
         self.copied.synchronize()  # the previous step's copies have left the staging
         longs, lens = self.staged_longs.numpy(), self.staged_lens.numpy()
         longs[0, :n], longs[1, :n], longs[2, :n] = step.input_ids, step.positions, step.slot_mapping
-        longs[2, n:batch] = -1  # padding rows write no KV and attend to slot 0 of their row
+        # padding rows read token 0 (the rows hold an earlier step's ids, placeholders among
+        # them under async scheduling), write no KV and attend to slot 0 of their row
+        longs[0, n:batch], longs[2, n:batch] = 0, -1
         lens[:n], lens[n:batch] = step.context_lens, 1
         for row, table in zip(self.staged_tables.numpy(), step.block_tables, strict=False):
             row[:len(table)] = table

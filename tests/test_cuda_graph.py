@@ -30,19 +30,22 @@ def test_padded_size() -> None:
 def test_graphs_match_eager(tiny_llama: Path, make_llm: Callable[..., LLM],
                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of 1, 3 and 20 prompts with n=2 (2 and 6 rows, up to 40), a budget that mixes
-    prefill chunks into decode steps (those run eagerly): the same greedy tokens."""
+    prefill chunks into decode steps (those run eagerly), lengths that shrink a batch within
+    its padded size (padding rows after rows that held placeholders): the same greedy tokens
+    replayed under async scheduling as run eagerly without it."""
     replays = []
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run",
-                        lambda self, step: replays.append(len(step.input_ids)) or run(self, step))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, step, *prev: replays.append(
+        len(step.input_ids)) or run(self, step, *prev))
     prompts = [[(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(20)]
-    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(n=2, temperature=0, max_tokens=12 - i % 7, ignore_eos=True)
+              for i in range(20)]
     outs = {}
     for eager in (True, False):
         llm = make_llm(tiny_llama, device="cuda", max_num_seqs=40, enforce_eager=eager,
-                       max_num_batched_tokens=64)
+                       max_num_batched_tokens=64, async_scheduling=not eager)
         outs[eager] = [[[o.token_ids for o in r.outputs]
-                        for r in llm.generate(batch, params, use_tqdm=False)]
+                        for r in llm.generate(batch, params[:len(batch)], use_tqdm=False)]
                        for batch in (prompts[:1], prompts[:3], prompts)]
     assert outs[True] == outs[False]
     sizes = graph_batch_sizes(40)
