@@ -38,6 +38,9 @@ class Settings(BaseSettings):
                                       description="context length cap; unset: the model's")
     enable_prefix_caching: bool = Field(True, description="reuse cached prompt blocks")
     enforce_eager: bool = Field(False, description="CUDA: no CUDA graphs for decode")
+    async_scheduling: bool | None = Field(
+        None, description="launch the next step before this one's tokens are read; unset: on "
+        "CUDA only")
     seed: int = Field(0, description="global RNG seed, for jobs without a seed of their own")
     consumer: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                           min_length=1, description="consumer name in the group; unique")
