@@ -5,29 +5,23 @@ row's uniform number is a Python loop, because a seeded row must draw from its o
 so that its tokens never depend on the rest of the batch.
 """
 
-from dataclasses import dataclass
-
 import torch
 
 import kernels
+from engine.sampled import Sampled, SamplerOutput, rows_on, to_device
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # None where the seq asked for no logprobs
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """Rows padded by repeating their first token (0 for an empty row)."""
     width = max(1, max(map(len, rows)))
-    return torch.tensor([r + [r[0] if r else 0] * (width - len(r)) for r in rows], device=device)
+    return to_device(torch.tensor([r + [r[0] if r else 0] * (width - len(r)) for r in rows]),
+                     device)
 
 
 def _column(xs: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.tensor(xs, dtype=dtype, device=device).unsqueeze(1)
+    return to_device(torch.tensor(xs, dtype=dtype).unsqueeze(1), device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -146,13 +140,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         return self.sample(logits, seqs).read()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> "Sampled":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """The tokens, left on the logits' device until ``Sampled.read``."""
         logits = self._mask_min_tokens(apply_penalties(logits, seqs), seqs)
-        tokens = kernels.argmax(logits)  # greedy rows; ties go to the lowest id, as in HF
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if len(rows) == len(seqs):
+            return Sampled(self._draw(logits, seqs), logits, seqs)
+        tokens = kernels.argmax(logits)  # greedy rows; ties go to the lowest id, as in HF
         if rows:
-            tokens[rows] = self._draw(logits[rows], [seqs[i] for i in rows])
+            index = rows_on(rows, logits.device)
+            tokens[index] = self._draw(logits[index], [seqs[i] for i in rows])
         return Sampled(tokens, logits, seqs)
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -166,7 +163,8 @@ class Sampler:
             return logits
         logits = logits.clone()
         rows, cols = zip(*cells, strict=True)
-        logits[list(rows), list(cols)] = float("-inf")
+        logits[rows_on(list(rows), logits.device), rows_on(list(cols), logits.device)] = (
+            float("-inf"))
         return logits
 
     @staticmethod
@@ -179,58 +177,21 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 u[i] = draw_uniform(seq.generator)
-        u = u.to(dev)
+        u = to_device(u, dev)
         filtered = [i for i, s in enumerate(seqs)
                     if s.params.top_k > 0 or s.params.top_p < 1 or s.params.min_p > 0]
         if not filtered:
             return _inverse_cdf(probs, u)
+        params = [seqs[i].params for i in filtered]
+        if len(filtered) == len(seqs):
+            kept, order = _filter(probs, params)
+            return order.gather(1, _inverse_cdf(kept, u).unsqueeze(1)).squeeze(1)
         picked = torch.empty(len(seqs), dtype=torch.long, device=dev)
-        plain = sorted(set(range(len(seqs))) - set(filtered))
-        if plain:
+        plain = rows_on(sorted(set(range(len(seqs))) - set(filtered)), dev)
+        if plain.numel():
             picked[plain] = _inverse_cdf(probs[plain], u[plain])
-        kept, order = _filter(probs[filtered], [seqs[i].params for i in filtered])
-        positions = _inverse_cdf(kept, u[filtered]).unsqueeze(1)
-        picked[filtered] = order.gather(1, positions).squeeze(1)
+        index = rows_on(filtered, dev)
+        kept, order = _filter(probs[index], params)
+        positions = _inverse_cdf(kept, u[index]).unsqueeze(1)
+        picked[index] = order.gather(1, positions).squeeze(1)
         return picked
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, seqs: list[Sequence],
-                  token_ids: list[int]) -> list[dict[int, float] | None]:
-        out: list[dict[int, float] | None] = [None] * len(seqs)
-        wanted = {i: n for i, s in enumerate(seqs) if (n := s.params.logprobs) is not None}
-        rows = list(wanted)
-        if not rows:
-            return out
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        k = min(max(wanted.values()), lp.shape[1])
-        top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1))
-        chosen = lp.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=lp.device))
-        for j, (i, c) in enumerate(zip(rows, chosen.squeeze(1).tolist(), strict=True)):
-            n = wanted[i]
-            top = dict(zip(top_i[j][:n], top_v[j][:n], strict=True))
-            top[token_ids[i]] = c
-            out[i] = top
-        return out
-
-
-class Sampled:
-    """A step's sampled tokens ``[len(seqs)]`` on the device, copied to pinned host memory as
-    soon as the sampling kernels are queued (on CUDA): ``read`` waits for this step's tokens
-    only, not for whatever the stream was given after them (the next step, under async
-    scheduling), as ``tolist`` would."""
-
-    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        self.tokens, self.logits, self.seqs = tokens, logits, seqs
-        self.host, self.copied = tokens, None
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
-    def read(self) -> SamplerOutput:
-        if self.copied is not None:
-            self.copied.synchronize()
-        token_ids = self.host.tolist()
-        return SamplerOutput(token_ids, Sampler._logprobs(self.logits, self.seqs, token_ids))
-
