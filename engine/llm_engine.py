@@ -25,6 +25,7 @@ from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.transfer import rows_on
 
 log = structlog.get_logger()
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -225,7 +226,7 @@ class LLMEngine:
                         self.tokenizer, seq.params, request.final_only)
             rows += [row] * len(group)
             seqs += group
-        return logits[torch.tensor(rows, device=logits.device)], seqs
+        return logits[rows_on(rows, logits.device)], seqs
 
     def stats(self) -> dict[str, float | str]:
         bm = self.block_manager

@@ -19,6 +19,7 @@ from engine.loader import load_model, read_kv_scales
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.transfer import rows_on, tensor_on
 
 
 class ModelRunner:
@@ -102,7 +103,7 @@ class ModelRunner:
         return self.kv_cache[:, :, 0, 0].nbytes
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        return tensor_on(data, dtype, self.device)
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
@@ -180,7 +181,8 @@ class ModelRunner:
         if step.deferred:
             assert prev_tokens is not None
             rows, src = zip(*step.deferred, strict=True)
-            input_ids[list(rows)] = prev_tokens[list(src)]
+            input_ids[rows_on(list(rows), self.device)] = prev_tokens[rows_on(list(src),
+                                                                               self.device)]
         positions = self._tensor(step.positions, torch.int64)
         ctx = self._context(step)
         if self.cpu_decode is not None and self.cpu_decode.can_run(ctx, input_ids.shape[0]):

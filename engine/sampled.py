@@ -1,33 +1,20 @@
-"""Sampling's traffic between host and device, none of it waiting on the device: the host's
-inputs (temperatures, uniform numbers, row indices) go up through pinned memory, a step's
-tokens and the logprobs asked for come down the same way, copied as soon as they are queued.
-A plain copy from pageable memory, or ``tolist``, waits for everything queued before it: under
-async scheduling (engine.async_step) that is the step being launched, which then would not
-overlap the host's work at all."""
+"""A step's sampled tokens, and the logprobs asked for, on their way to the host without
+waiting for what is queued after them: ``tolist`` would wait for everything queued before the
+copy, under async scheduling (engine.async_step) the next step too. (The way up:
+engine.transfer.)"""
 
 from dataclasses import dataclass
 
 import torch
 
 from engine.sequence import Sequence
+from engine.transfer import rows_on
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # None where the seq asked for no logprobs
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; on CUDA, through pinned memory, without waiting."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def rows_on(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices as an index tensor on ``device``."""
-    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 class Sampled:

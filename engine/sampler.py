@@ -8,9 +8,10 @@ so that its tokens never depend on the rest of the batch.
 import torch
 
 import kernels
-from engine.sampled import Sampled, SamplerOutput, rows_on, to_device
+from engine.sampled import Sampled, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.transfer import rows_on, to_device
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
