@@ -32,7 +32,8 @@ for s in "$@"; do
   case $s in
     tests) stage tests 300 $PY -m pytest -q -rs -p no:cacheprovider -n 8 tests/test_kernels.py \
              tests/test_kernels_kv.py tests/test_triton_quant.py tests/test_cuda_graph.py \
-             tests/test_cuda_parity.py tests/test_prefill_fresh.py -k "not smollm2" ;;
+             tests/test_cuda_parity.py tests/test_prefill_fresh.py tests/test_async_step.py \
+             -k "not smollm2" ;;
     tests-smol) stage tests-smol 240 $PY -m pytest -q -rs -s -p no:cacheprovider \
              tests/test_cuda_parity.py -k smollm2 ;;
     profile) stage profile 300 $PY benchmarks/gpu_profile.py --decode random-1b \

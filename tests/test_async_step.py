@@ -9,12 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import BeamSearchParams
 from tests.conftest import assert_pool_whole
 
 Events = dict[str, list[tuple]]
+# on CUDA too (float32): there the steps do overlap, through CUDA graphs, pinned copies and a
+# sampler that does not wait on the device
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
 
 
 def _drive(engine, requests: list[tuple], abort_at: dict[int, str] | None = None) -> Events:
@@ -63,11 +68,13 @@ def _prompts(n: int, start: int = 3) -> list[list[int]]:
     return [[start + (7 * i + j) % 500 for j in range(5 + 13 * i)] for i in range(n)]
 
 
-def test_greedy_with_late_stops(tiny_llama: Path, make_llm: Callable[..., LLM]) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_with_late_stops(tiny_llama: Path, make_llm: Callable[..., LLM],
+                                device: str) -> None:
     """Stop tokens taken from each prompt's own greedy output: found when a step is read, with
     the next one already launched; lengths too (max_tokens and the context)."""
     prompts = _prompts(6)
-    probe = make_llm(tiny_llama).generate(
+    probe = make_llm(tiny_llama, device=device).generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     requests = []
     for i, (prompt, out) in enumerate(zip(prompts, probe, strict=True)):
@@ -75,7 +82,8 @@ def test_greedy_with_late_stops(tiny_llama: Path, make_llm: Callable[..., LLM]) 
         requests.append((f"r{i}", prompt, SamplingParams(  # the last: up to the context
             temperature=0, max_tokens=8 + 2 * i if i < 5 else None, stop_token_ids=stop,
             ignore_eos=True)))
-    sync, overlapped, ahead = _both(make_llm, tiny_llama, requests, max_model_len=100)
+    sync, overlapped, ahead = _both(make_llm, tiny_llama, requests, max_model_len=100,
+                                    device=device)
     assert ahead > 10
     assert overlapped == sync
     samples = {r: [e for e in events if isinstance(e, tuple)] for r, events in sync.items()}
@@ -84,8 +92,9 @@ def test_greedy_with_late_stops(tiny_llama: Path, make_llm: Callable[..., LLM]) 
     assert sum(len(e[1]) for e in samples["r5"]) == 100 - len(prompts[5])
 
 
-def test_stop_strings_samples_penalties_beams(tiny_llama: Path,
-                                             make_llm: Callable[..., LLM]) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_stop_strings_samples_penalties_beams(tiny_llama: Path, make_llm: Callable[..., LLM],
+                                             device: str) -> None:
     """Text stops, n seeded samples forked after the prompt, a penalised request (not
     overlapped while it runs) and a beam search (nor while it is live), chunked prefills."""
     prompts = _prompts(5, start=40)
@@ -99,7 +108,8 @@ def test_stop_strings_samples_penalties_beams(tiny_llama: Path,
                                            repetition_penalty=1.3)),
         ("beam", prompts[4], None, BeamSearchParams(beam_width=2, max_tokens=5)),
     ]
-    sync, overlapped, ahead = _both(make_llm, tiny_llama, requests, max_num_batched_tokens=24)
+    sync, overlapped, ahead = _both(make_llm, tiny_llama, requests, max_num_batched_tokens=24,
+                                    device=device)
     assert ahead > 5
     assert overlapped == sync
 
