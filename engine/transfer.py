@@ -9,8 +9,10 @@ import torch
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``; on CUDA, through pinned memory, without waiting."""
-    if device.type != "cuda":
+    if device.type == "cpu":
         return t
+    if device.type != "cuda":
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
