@@ -7,8 +7,9 @@ kernels. With it (session 20, random-1b, bf16): a batch-1 step 1.45 -> 1.25 ms (
 1.12), 256 requests 1.20 -> 1.07 s, every output the same.
 
 The contract (``LLMEngine.step`` keeps it, in this order):
-1. A step's tokens stay on the device until read (``sampler.Sampled``: a pinned copy queued
-   right behind the sampling, so reading waits for that step only, not for the next one).
+1. A step's tokens stay on the device until read (``engine.sampled.Sampled``: a pinned copy
+   queued right behind the sampling, so reading waits for that step only, not for the next
+   one), and nothing a launch sends up waits for the device (``engine.transfer``).
 2. Before step N is read, each sequence it sampled that has not finished gets a placeholder as
    its last token and ``pending_row``, its token's row in N; the model runner takes those rows'
    input ids from N's tokens on the device (``StepInputs.deferred``). ``defer`` does this, and
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.outputs import RequestDelta
-from engine.sampler import Sampled
+from engine.sampled import Sampled
 from engine.sequence import Sequence
 
 PLACEHOLDER = -1  # the token id of a token still on the device
