@@ -52,8 +52,7 @@ def can_overlap(launched: Launched, num_live_beams: int) -> bool:
     if num_live_beams:
         return False
     return launched.sampled is None or not any(
-        p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-        for p in (seq.params for seq in launched.sampled.seqs))
+        seq.params.penalized for seq in launched.sampled.seqs)
 
 
 def defer(launched: Launched, length_done: Callable[[Sequence], bool]) -> set[int]:

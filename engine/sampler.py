@@ -35,8 +35,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     harmless for every penalty but frequency's, which the padding mask keeps exact. Rows
     without penalties take part with no tokens, which changes nothing.
     """
-    active = [s.params.repetition_penalty != 1 or s.params.presence_penalty != 0
-              or s.params.frequency_penalty != 0 for s in seqs]
+    active = [s.params.penalized for s in seqs]
     if not any(active):
         return logits
     dev, dt = logits.device, logits.dtype
@@ -188,9 +187,10 @@ class Sampler:
             kept, order = _filter(probs, params)
             return order.gather(1, _inverse_cdf(kept, u).unsqueeze(1)).squeeze(1)
         picked = torch.empty(len(seqs), dtype=torch.long, device=dev)
-        plain = rows_on(sorted(set(range(len(seqs))) - set(filtered)), dev)
-        if plain.numel():
-            picked[plain] = _inverse_cdf(probs[plain], u[plain])
+        plain = sorted(set(range(len(seqs))) - set(filtered))
+        if plain:
+            rows = rows_on(plain, dev)
+            picked[rows] = _inverse_cdf(probs[rows], u[rows])
         index = rows_on(filtered, dev)
         kept, order = _filter(probs[index], params)
         positions = _inverse_cdf(kept, u[index]).unsqueeze(1)

@@ -59,6 +59,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """A repetition, presence or frequency penalty: sampling reads the tokens so far."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
+
 
 @dataclass
 class BeamSearchParams:
