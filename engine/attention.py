@@ -40,7 +40,7 @@ class PagedAttention(DirectModule):
                                                 *kv_scales)
                  for g in ctx.decode_groups]
         fresh = ctx.prefill_fresh_lens
-        if fresh is not None and kernels.fresh_prefill_pays(q, self.k_cache, fresh):
+        if fresh is not None:
             parts.append(kernels.prefill_attention_fresh(
                 q[num_decode:], k[num_decode:], v[num_decode:], fresh, self.scale))
         elif num_decode < q.shape[0]:

@@ -48,7 +48,8 @@ class Context:
     prefill_cu_seqlens_q: torch.Tensor | None = None
     prefill_block_tables: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
-    # the prefill chunks' lengths where every one is a whole prompt with nothing cached
+    # the prefill chunks' lengths where every one is a whole prompt with nothing cached and
+    # they go through kernels.prefill_attention_fresh (kernels.fresh_prefill_pays)
     prefill_fresh_lens: list[int] | None = None
 
 

@@ -167,7 +167,9 @@ class ModelRunner:
             ctx.prefill_cu_seqlens_q = self._tensor(step.cu_seqlens, torch.int32)
             cu = step.cu_seqlens
             chunks = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-            if chunks == lens[num_decode:]:  # each chunk is its whole context: no prefix
+            # each chunk its whole context (no prefix), decided once for every layer
+            if chunks == lens[num_decode:] and kernels.fresh_prefill_pays(
+                    self.model.model.embed_tokens.weight.dtype, self.kv_cache, chunks):
                 ctx.prefill_fresh_lens = chunks
         return ctx
 

@@ -124,15 +124,16 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 FRESH_PREFILL_MIN_TOKENS = 2048
 
 
-def fresh_prefill_pays(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: list[int],
+def fresh_prefill_pays(dtype: torch.dtype, k_cache: torch.Tensor, seq_lens: list[int],
                        backend: str | None = None) -> bool:
-    """Whether prompts with nothing cached (``seq_lens`` tokens each) are attended by
-    ``prefill_attention_fresh`` rather than the paged kernel: on the CUDA backend, in bfloat16
-    or float16 with a pool of the same dtype (an fp8 pool's attention reads the quantized KV),
-    each run of equal lengths at least ``FRESH_PREFILL_MIN_TOKENS`` in all."""
-    if (backend or default_backend(q.device)) != "triton" or q.device.type != "cuda":
+    """Whether prompts with nothing cached (``seq_lens`` tokens each, queries of ``dtype``) are
+    attended by ``prefill_attention_fresh`` rather than the paged kernel: on the CUDA backend,
+    in bfloat16 or float16 with a pool of the same dtype (an fp8 pool's attention reads the
+    quantized KV), each run of equal lengths at least ``FRESH_PREFILL_MIN_TOKENS`` in all."""
+    device = k_cache.device
+    if (backend or default_backend(device)) != "triton" or device.type != "cuda":
         return False
-    return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
+    return (dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == dtype
             and all(n * len(list(run)) >= FRESH_PREFILL_MIN_TOKENS
                     for n, run in itertools.groupby(seq_lens)))
 

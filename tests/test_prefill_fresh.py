@@ -63,18 +63,19 @@ def test_route() -> None:
     """Only the CUDA backend, in bf16/fp16 with a pool of the same dtype, each run of equal
     lengths long enough in all."""
     least = kernels.FRESH_PREFILL_MIN_TOKENS
-    cpu = torch.empty(1, dtype=torch.bfloat16)
-    assert not kernels.fresh_prefill_pays(cpu, cpu, [least])
-    assert not kernels.fresh_prefill_pays(cpu, cpu, [least], backend="torch")
+    bf16 = torch.bfloat16
+    cpu = torch.empty(1, dtype=bf16)
+    assert not kernels.fresh_prefill_pays(bf16, cpu, [least])
+    assert not kernels.fresh_prefill_pays(bf16, cpu, [least], backend="torch")
     if not CUDA:
         return
-    bf16 = torch.empty(1, dtype=torch.bfloat16, device="cuda")
-    assert kernels.fresh_prefill_pays(bf16, bf16, [least, least + 1])
-    assert kernels.fresh_prefill_pays(bf16, bf16, [least // 4] * 4 + [least])
-    assert not kernels.fresh_prefill_pays(bf16, bf16, [least // 4] * 3 + [least])
-    assert not kernels.fresh_prefill_pays(bf16, bf16, [least // 2, least // 2 + 1])
-    assert not kernels.fresh_prefill_pays(bf16.float(), bf16.float(), [least])
-    assert not kernels.fresh_prefill_pays(bf16, bf16.to(torch.float8_e4m3fn), [least])
+    pool = torch.empty(1, dtype=bf16, device="cuda")
+    assert kernels.fresh_prefill_pays(bf16, pool, [least, least + 1])
+    assert kernels.fresh_prefill_pays(bf16, pool, [least // 4] * 4 + [least])
+    assert not kernels.fresh_prefill_pays(bf16, pool, [least // 4] * 3 + [least])
+    assert not kernels.fresh_prefill_pays(bf16, pool, [least // 2, least // 2 + 1])
+    assert not kernels.fresh_prefill_pays(torch.float32, pool.float(), [least])
+    assert not kernels.fresh_prefill_pays(bf16, pool.to(torch.float8_e4m3fn), [least])
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
