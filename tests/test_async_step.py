@@ -45,18 +45,19 @@ def _drive(engine, requests: list[tuple], abort_at: dict[int, str] | None = None
 
 def _both(make_llm: Callable[..., LLM], model: Path, requests: list[tuple],
           abort_at: dict[int, str] | None = None, **kwargs) -> tuple[Events, Events, int]:
-    """The deltas without and with async scheduling, and how many steps were launched ahead."""
+    """The deltas without and with async scheduling, and how many steps were launched ahead
+    (run with the step before's tokens still on the device)."""
     runs, ahead = [], 0
     for on in (False, True):
         engine = make_llm(model, async_scheduling=on, **kwargs).engine
-        launch = engine._launch
+        run = engine.model_runner.run
         counted = []
 
-        def spy(after=None, launch=launch, counted=counted):  # noqa: ANN001, ANN202
-            counted.append(after is not None)
-            return launch(after)
+        def spy(batch, prev_tokens=None, run=run, counted=counted):  # noqa: ANN001, ANN202
+            counted.append(prev_tokens is not None)
+            return run(batch, prev_tokens)
 
-        engine._launch = spy
+        engine.model_runner.run = spy
         runs.append(_drive(engine, requests, abort_at))
         ahead = sum(counted)
         assert_pool_whole(engine)
