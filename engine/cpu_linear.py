@@ -27,8 +27,9 @@ _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe fou
 # Batches up to this many rows go to cpu_gemv where it serves, larger to oneDNN. AVX-512's
 # tiles (8 rows by 32 outputs, the next weights prefetched) led oneDNN to 256 rows (SmolLM2's
 # 121 layers, cold, 2 threads, AMD EPYC Zen 5: 128 rows 74 against 80 ms, 256 rows 148 against
-# 157); AVX2's (4 by 16) fell behind it past a few dozen (64 rows, the same EPYC built without
-# AVX-512: 19.7 against 8.8 ms on random-26m's layers).
+# 157); AVX2's (6 rows by 16 outputs) keep pace with oneDNN's AVX2 kernels to 64 rows and fall
+# behind past them (an AMD EPYC Zen 3, random-26m's 32 layers: 64 rows 31.8 against 34.3 ms,
+# 128 rows 74.7 against 64.6).
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
 ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
                and torch.ops.mkldnn._is_mkldnn_bf16_supported())

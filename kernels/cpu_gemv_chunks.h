@@ -1,7 +1,7 @@
 /* cpu_gemv.c's product for batches of 9 to CHUNKED_ROWS rows (AVX-512, float32 or widened
  * bfloat16 panels): included there, after `tile`'s helpers. */
 #if !PAIRED && defined(__AVX512F__)
-/* Batches of 9 to CHUNKED_ROWS rows take the group's weights a CHUNK of inputs at a time
+/* Batches of 9 to CHUNKED_ROWS rows take the group's weights GEMV_CHUNK inputs at a time
  * across all its row tiles (up to BLOCK_TILES tiles, 64 rows, a pass), each tile's sums kept
  * in memory between chunks, so the chunk is read from the memory once and again from L1 (a
  * group's 2 panels, 72 KB at 576 inputs, fill more than L1: each further tile read them from
@@ -12,7 +12,7 @@
  * where the products are bound by the FMAs and the stored sums only cost; chunks of 16 / 48 /
  * 64 / 128 inputs no better than 32. A 32-request batch of SmolLM2 (128 + 128 tokens): 12.9 ->
  * 11.6 s. */
-#define CHUNK 32
+#define GEMV_CHUNK 32
 #define BLOCK_TILES 8
 #define CHUNKED_ROWS 128
 
@@ -94,7 +94,7 @@ static int chunked(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
             const int64_t tiles = (nrb + TILE - 1) / TILE;
             for (int64_t k0 = 0, k1; k0 < k; k0 = k1) {
                 k1 = (k0 / block + 1) * block;
-                if (k1 > k0 + CHUNK) k1 = k0 + CHUNK;
+                if (k1 > k0 + GEMV_CHUNK) k1 = k0 + GEMV_CHUNK;
                 if (k1 > k) k1 = k;
                 /* the first row block asks for the next group's lines of this chunk
                  * (next_panels runs of c), a share to each tile: [a, a + na) */
