@@ -16,42 +16,22 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_attention_ahead.h"
 #include "cpu_attention_pairs.h"
 #include "cpu_attention_values.h"
 #include "cpu_kernels.h"
 
-/* keys ahead whose K and V rows the scores' loop asks the memory for (V's for the values'
- * loop after it), and into which cache. One thread on cold keys, SmolLM2's 3 KV heads: 280 ns
- * a key without, 175 with 8 keys ahead, 186 with 32 (Xeon, 2 cores). bfloat16 rows, half the
- * bytes, on AMD: the same bytes ahead, into L2 (random-26m's decode, 110 rows x 340 keys from
- * memory, EPYC Zen 4, 4 runs each: 8 keys into L1 53-69 ns a key, 16 into L2 49-52 (79 once),
- * 32 into L2 55-63; float32's 8 keys into L2 96-125, L1 112-125). On Intel, 8 into L1 as float32
- * (Xeon with AMX, 110 rows x 400 keys: 4-12 keys into L1 47.7-50.3 ns, 16 into L2 55.3-60.5). */
-#if defined(PAGEDQ_BF16) && !defined(PAGEDQ_INTEL)
-#define PREFETCH 16
-#define PREFETCH_HINT _MM_HINT_T1
-#else
-#define PREFETCH 8
-#define PREFETCH_HINT _MM_HINT_T0
-#endif
-
-static inline void prefetch_row(const stored_t *k, const stored_t *v, int64_t head_dim) {
-    for (int64_t d = 0; d < head_dim; d += 64 / (int64_t)sizeof(stored_t)) {
-        _mm_prefetch((const char *)(k + d), PREFETCH_HINT);
-        _mm_prefetch((const char *)(v + d), PREFETCH_HINT);
-    }
-}
-
 /* The scores of 8 keys (rows[k], one KV head's) for the G query heads from g0: per head and
  * key, 8 lanes over head_dim, an FMA chain in d's order, then sum8. Every key row is loaded
- * once for the G heads. */
+ * once for the G heads. Each step of 8 asks for its share of `ahead`'s lines. */
 static inline __attribute__((always_inline)) void score_tile(
         const float *qs, const stored_t *const *rows, int64_t head_dim, const int G, int64_t g0,
-        float *scores, int64_t padded, int64_t t0) {
+        float *scores, int64_t padded, int64_t t0, ahead_t *ahead) {
     __m256 a[QGROUP][8];
     for (int g = 0; g < G; g++)
         for (int k = 0; k < 8; k++) a[g][k] = _mm256_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 8) {
+        ahead_ask(ahead);
         __m256 qv[QGROUP];
         for (int g = 0; g < G; g++) qv[g] = _mm256_load_ps(qs + (g0 + g) * head_dim + d);
         for (int k = 0; k < 8; k++) {
@@ -139,11 +119,14 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
 #endif
     /* scores, a tile of 8 keys for every head, QGROUP query heads at a time */
     for (int64_t t0 = 0; t0 < stride; t0 += 8) {
-        if (t0 + PREFETCH < stride)
-            for (int k = 0; k < 8; k++)
-                for (int64_t h = kv_begin; h < kv_end; h++)
-                    prefetch_row(k_cache + offsets[t0 + PREFETCH + k] + h * head_dim,
-                                 v_cache + offsets[t0 + PREFETCH + k] + h * head_dim, head_dim);
+        ahead_t ahead;
+#if PAIRED
+        const int64_t step = paired ? 32 : 8;
+#else
+        const int64_t step = 8;
+#endif
+        ahead_start(&ahead, k_cache, v_cache, offsets, t0, stride, kv_begin, kv_end, head_dim,
+                    (kv_end - kv_begin) * (head_dim / step));
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const stored_t *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
@@ -153,18 +136,20 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
                 float *si = scores + i * num_heads * stride;
                 for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                     const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
+                    ahead_t *a = i == 0 && g == h * group ? &ahead : 0;
 #if PAIRED
                     const uint32_t *qpi = qp + i * qsize / 2;
                     if (paired && G == 3) score_tile_pairs(qpi, rows, head_dim, 3, g, si, stride,
-                                                           t0);
+                                                           t0, a);
                     else if (paired && G == 2) score_tile_pairs(qpi, rows, head_dim, 2, g, si,
-                                                                stride, t0);
-                    else if (paired) score_tile_pairs(qpi, rows, head_dim, 1, g, si, stride, t0);
+                                                                stride, t0, a);
+                    else if (paired) score_tile_pairs(qpi, rows, head_dim, 1, g, si, stride, t0,
+                                                      a);
                     else
 #endif
-                    if (G == 3) score_tile(qi, rows, head_dim, 3, g, si, stride, t0);
-                    else if (G == 2) score_tile(qi, rows, head_dim, 2, g, si, stride, t0);
-                    else score_tile(qi, rows, head_dim, 1, g, si, stride, t0);
+                    if (G == 3) score_tile(qi, rows, head_dim, 3, g, si, stride, t0, a);
+                    else if (G == 2) score_tile(qi, rows, head_dim, 2, g, si, stride, t0, a);
+                    else score_tile(qi, rows, head_dim, 1, g, si, stride, t0, a);
                 }
             }
         }

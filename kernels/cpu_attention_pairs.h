@@ -16,19 +16,21 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu_attention_ahead.h"
 #include "cpu_attention_values.h"
 #include "cpu_kernels.h"
 
 #if PAIRED
 /* The scores of 8 keys (rows[k], one KV head's) for the G query heads from g0, their scaled
- * queries as bfloat16 pairs at qp (head_dim / 2 a head). */
+ * queries as bfloat16 pairs at qp (head_dim / 2 a head); each step asks for `ahead`'s share. */
 static inline __attribute__((always_inline)) void score_tile_pairs(
         const uint32_t *qp, const stored_t *const *rows, int64_t head_dim, const int G, int64_t g0,
-        float *scores, int64_t padded, int64_t t0) {
+        float *scores, int64_t padded, int64_t t0, ahead_t *ahead) {
     __m512 a[QGROUP][8];
     for (int g = 0; g < G; g++)
         for (int k = 0; k < 8; k++) a[g][k] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 32) {
+        ahead_ask(ahead);
         __m512bh qv[QGROUP];
         for (int g = 0; g < G; g++)
             qv[g] = (__m512bh)_mm512_loadu_si512(qp + (g0 + g) * head_dim / 2 + d / 2);
