@@ -130,13 +130,14 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const stored_t *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
+            ahead_t *asks = &ahead; /* the first query that computes the tile asks */
             for (int64_t i = 0; i < nq; i++) {
                 if (t0 >= t_end[i] - t_begin) continue;
                 const float *qi = qs + i * qsize;
                 float *si = scores + i * num_heads * stride;
                 for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                     const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
-                    ahead_t *a = i == 0 && g == h * group ? &ahead : 0;
+                    ahead_t *a = g == h * group ? asks : 0;
 #if PAIRED
                     const uint32_t *qpi = qp + i * qsize / 2;
                     if (paired && G == 3) score_tile_pairs(qpi, rows, head_dim, 3, g, si, stride,
@@ -151,6 +152,7 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
                     else if (G == 2) score_tile(qi, rows, head_dim, 2, g, si, stride, t0, a);
                     else score_tile(qi, rows, head_dim, 1, g, si, stride, t0, a);
                 }
+                asks = 0;
             }
         }
     }

@@ -50,7 +50,8 @@ static inline void ahead_start(ahead_t *a, const stored_t *k_cache, const stored
     a->per_step = (a->rows * a->lines + steps - 1) / steps;
 }
 
-/* One step's share of the lines (none where a is NULL: a tile asks once, at its first query). */
+/* One step's share of the lines (none where a is NULL: a tile asks once, at the first query
+ * that computes it). */
 static inline void ahead_ask(ahead_t *a) {
     if (!a) return;
     for (int64_t n = a->per_step; n > 0 && a->r < a->rows; n--) {
