@@ -117,16 +117,17 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
             to_pairs(qs + i * qsize + g * head_dim, head_dim,
                      qp + (i * qsize + g * head_dim) / 2);
 #endif
-    /* scores, a tile of 8 keys for every head, QGROUP query heads at a time */
+    /* scores, a tile of 8 keys for every head, QGROUP query heads at a time; a tile's steps
+     * (each asks for a share of the lines ahead) are 8 of head_dim, 32 in pairs, per KV head */
+#if PAIRED
+    const int64_t steps = (kv_end - kv_begin) * (head_dim / (paired ? 32 : 8));
+#else
+    const int64_t steps = (kv_end - kv_begin) * (head_dim / 8);
+#endif
     for (int64_t t0 = 0; t0 < stride; t0 += 8) {
         ahead_t ahead;
-#if PAIRED
-        const int64_t step = paired ? 32 : 8;
-#else
-        const int64_t step = 8;
-#endif
         ahead_start(&ahead, k_cache, v_cache, offsets, t0, stride, kv_begin, kv_end, head_dim,
-                    (kv_end - kv_begin) * (head_dim / step));
+                    steps);
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const stored_t *rows[8];
             for (int k = 0; k < 8; k++) rows[k] = k_cache + offsets[t0 + k] + h * head_dim;
