@@ -2,10 +2,22 @@
 recompute.
 
 Each step the running sequences go first (oldest first), each taking the tokens it still has to
-compute (one, once decoding), then waiting sequences are admitted in priority-then-arrival
-order while budget, sequence slots and blocks last. When a running sequence needs a block and
-none is free, the youngest running sequence is preempted: its blocks are freed (its full blocks
-stay in the prefix cache) and it goes back to the waiting queue to be recomputed later.
+compute (one, once decoding), then waiting sequences are admitted while budget, sequence slots
+and blocks last. When a running sequence needs a block and none is free, the youngest running
+sequence is preempted: its blocks are freed (its full blocks stay in the prefix cache) and it
+goes back to the waiting queue to be recomputed later.
+
+Admission order: priority first (lower value first, as vLLM), then the shortest prefill first
+among the waiting sequences that arrived together (within ``SHORTEST_FIRST_WINDOW_S`` of the
+oldest of that priority, among its first ``SHORTEST_FIRST_SCAN``); otherwise arrival. A burst
+of prompts then gets its first tokens sooner: a prefill is compute-bound, so each request's
+first token waits for the prompts computed before it, and the short ones first make the median
+wait shorter while the last prompt finishes no later (the same prompts are computed either
+way). vLLM admits first come, first served. 32 prompts of 64-256 tokens added at once
+(``benchmarks/serve.py``'s burst, SmolLM2, an Intel Xeon, 2 threads, three draws): first come,
+first served gave their first tokens at a median of 3.0-3.7 s, the last at 3.7-4.5 s; shortest
+first at 1.4-1.8 s, the last at 3.8-4.5 s. The window bounds what a long prompt can be passed
+by: only prompts that arrived within the window after it.
 """
 
 from bisect import insort
@@ -15,9 +27,17 @@ from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
 
+SHORTEST_FIRST_WINDOW_S = 1.0
+SHORTEST_FIRST_SCAN = 64  # bounds the scan (an offline call may add thousands at once)
+
+
 def _age(seq: Sequence) -> tuple[int, float, int]:
     """Sort key: lower priority value first (as vLLM), then arrival, then creation."""
     return seq.priority, seq.arrival, seq.seq_id
+
+
+def _prefill_left(seq: Sequence) -> int:
+    return len(seq) - seq.num_computed_tokens
 
 
 @dataclass
@@ -119,18 +139,34 @@ class Scheduler:
                 i += len(unit)
         # Admitting while preempting would only thrash: the freed blocks are for the running.
         while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+            at = self._next_waiting()
+            seq = self.waiting[at]
             if len(self.running) + seq.num_slots > self.max_num_seqs:
                 break
             num_new = self.block_manager.allocate(seq, budget)
             if num_new == 0:
                 break
-            self.waiting.pop(0)
+            del self.waiting[at]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(seq, num_new)
             budget -= num_new
         return out
+
+    def _next_waiting(self) -> int:
+        """The index in ``waiting`` of the sequence to admit next: of those that arrived within
+        the window of the oldest waiting one, of its priority, the one with the fewest tokens
+        to compute (the older of equals). ``waiting`` is in ``_age`` order, so they lead it."""
+        head = self.waiting[0]
+        best, fewest = 0, _prefill_left(head)
+        for i in range(1, min(len(self.waiting), SHORTEST_FIRST_SCAN)):
+            seq = self.waiting[i]
+            if (seq.priority != head.priority
+                    or seq.arrival - head.arrival > SHORTEST_FIRST_WINDOW_S):
+                break
+            if _prefill_left(seq) < fewest:
+                best, fewest = i, _prefill_left(seq)
+        return best
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempts by recompute; a beam preempts its whole group, which waits as one trunk
