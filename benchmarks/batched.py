@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     # start afresh each round), and skip the prefill
     prompts = [[common.random_prompt(rng, ids, args.prompt_len) for _ in range(args.concurrent)]
                for _ in range(args.rounds)]
-    llm = LLM(str(path), dtype=args.dtype, device="cpu")
+    # the pool reserved at start-up, as llama-server allocates and clears its KV cache
+    llm = LLM(str(path), dtype=args.dtype, device="cpu", reserve_kv_cache=True)
     run_pagedq(llm, [common.random_prompt(rng, ids, 8)], 4)  # warm-up: numba's first calls
     ctx = args.prompt_len + args.max_tokens + 16
     servers = {way: llamacpp.LlamaServer(kind, threads=threads, slots=args.concurrent, ctx=ctx,

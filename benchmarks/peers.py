@@ -45,11 +45,13 @@ def make_spec(model: Path, calls: list[list[dict[str, Any]]], *, threads: int,
               max_model_len: int = 2048, dtype: str = "float32") -> dict[str, Any]:
     """``calls``: per call, its requests, dicts of prompt (token ids), n, temperature, seed,
     max_tokens. ``dtype``: every system's weights and activations (float32, the parity mode,
-    or bfloat16)."""
+    or bfloat16). pagedq's pool is reserved at start-up (``reserve_kv_cache``), as vLLM's CPU
+    backend allocates its own, outside the timed calls."""
     return {"model": str(model), "calls": calls, "threads": threads, "dtype": dtype,
             "block_size": block_size, "vllm_block_size": vllm_block_size,
             "prefix_caching": prefix_caching, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len}
+            "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+            "reserve_kv_cache": True}
 
 
 def greedy_requests(prompts: list[list[int]], output_lens: list[int]) -> list[dict[str, Any]]:

@@ -43,7 +43,8 @@ def run_pagedq(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(spec["model"], dtype=spec["dtype"], device="cpu",
               enable_prefix_caching=spec["prefix_caching"], block_size=spec["block_size"],
               max_num_seqs=spec["max_num_seqs"],
-              max_num_batched_tokens=spec["max_num_batched_tokens"])
+              max_num_batched_tokens=spec["max_num_batched_tokens"],
+              reserve_kv_cache=spec["reserve_kv_cache"])
     calls = []
     for requests in spec["calls"]:
         params = [SamplingParams(n=r["n"], temperature=r["temperature"], seed=r["seed"],

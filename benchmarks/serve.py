@@ -147,7 +147,8 @@ async def serve_rates(send: Any, traces: dict[str, list[dict[str, Any]]],
 def serve_pagedq(args: argparse.Namespace, path: Path, traces: dict) -> dict[str, Any]:
     server = RedisServer(data_dir=OUT_DIR / "serve-redis").start()
     worker = spawn(["worker", "--redis-url", server.url, "--queue", QUEUE, "--model", str(path),
-                    "--device", "cpu", "--dtype", "float32", "--threads", str(args.threads)],
+                    "--device", "cpu", "--dtype", "float32", "--threads", str(args.threads),
+                    "--reserve-kv-cache", "true"],  # as vLLM allocates its pool at start-up
                    "serve-worker.log")
 
     async def go() -> dict[str, Any]:

@@ -16,6 +16,13 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256)
     num_kv_blocks: int | None = Field(None, ge=1)  # None: sized from the memory budget
     kv_cache_memory_gib: float = Field(4.0, gt=0)  # the CPU budget for the KV pool
+    # CPU: write the whole pool at start-up, in 2 MiB pages, as vLLM's CPU backend does, rather
+    # than as calls first reach its blocks. For a host that serves: the memory is held from the
+    # start (a host without it fails at start-up, not mid-job), no step waits on first writes,
+    # and the attention reads huge pages (fewer page walks). random-26m's 128 requests, Intel
+    # Xeon, 5 rounds alternating: 17.26 -> 16.43 s a call; start-up +1.9-5.9 s for 4 GiB, peak
+    # RSS 2.5 -> 4.9 GB. Off by default: a library call or a test should not hold 4 GiB.
+    reserve_kv_cache: bool = False
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)

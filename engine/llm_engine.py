@@ -58,7 +58,8 @@ class LLMEngine:
                 lambda: fit_kv_blocks(config, hf_config, dtype, self.device, self.max_model_len)),
             dtype=dtype, device=self.device,
             cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs,
-            kv_cache_dtype=config.kv_cache_dtype, calculate_kv_scales=config.calculate_kv_scales)
+            kv_cache_dtype=config.kv_cache_dtype, calculate_kv_scales=config.calculate_kv_scales,
+            reserve_kv_cache=config.reserve_kv_cache)
         num_blocks = self.model_runner.num_kv_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)

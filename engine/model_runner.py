@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.context import Context, DecodeGroup, StepInputs, set_context
 from engine.cpu_decode import CpuDecode
 from engine.cpu_linear import few_rows_path
-from engine.cpu_malloc import keep_freed_memory
+from engine.cpu_malloc import keep_freed_memory, reserved_in_huge_pages
 from engine.cuda_graph import DecodeGraphs
 from engine.kv_cache import bind_kv_cache, kv_cache_torch_dtype
 from engine.loader import load_model, read_kv_scales
@@ -26,12 +26,14 @@ class ModelRunner:
     def __init__(self, path: Path, hf_config: PretrainedConfig, *, max_model_len: int,
                  block_size: int, num_kv_blocks: int | Callable[[], int], dtype: torch.dtype,
                  device: torch.device, cuda_graph_max_batch: int = 0,
-                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", calculate_kv_scales: bool = True,
+                 reserve_kv_cache: bool = False) -> None:
         """``num_kv_blocks``: a count, or a function that sizes the pool once the weights hold
         their memory. ``cuda_graph_max_batch`` > 0 on CUDA: decode steps up to that many
         sequences replay CUDA graphs (``engine.cuda_graph``). ``kv_cache_dtype``: the pool's,
         as ``EngineConfig``'s (checked before the weights load); ``engine.kv_cache`` tells how
-        fp8 scales are set."""
+        fp8 scales are set. ``reserve_kv_cache``: on the CPU, the pool is written whole now,
+        in huge pages (``EngineConfig``'s)."""
         kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype, device)
         self.block_size = block_size
         self.device = device
@@ -41,12 +43,14 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks if isinstance(num_kv_blocks, int) else num_kv_blocks()
         attn = self.model.model.decoder_layers()[0].self_attn.attn
         num_layers = len(self.model.model.layers)
-        # One pool for every layer's K and V, so that the whole cache is one allocation. Left
-        # uninitialised: zeroing touched every page at start-up (4 GiB, 5.8 GB RSS for the demo),
-        # and no kernel reads a slot before it is written (kernels.reference says how).
-        self.kv_cache = torch.empty(2, num_layers, self.num_kv_blocks, block_size,
-                                    attn.num_kv_heads, attn.head_dim,
-                                    dtype=kv_dtype, device=device)
+        # One pool for every layer's K and V, so that the whole cache is one allocation. Unless
+        # reserved, left uninitialised: zeroing touched every page at start-up (4 GiB, 5.8 GB RSS
+        # for the demo), and no kernel reads a slot before it is written (kernels.reference).
+        shape = (2, num_layers, self.num_kv_blocks, block_size, attn.num_kv_heads,
+                 attn.head_dim)
+        self.kv_cache = (reserved_in_huge_pages(shape, kv_dtype)
+                         if reserve_kv_cache and device.type == "cpu"
+                         else torch.empty(shape, dtype=kv_dtype, device=device))
         # which CPU attention body runs (the start-up log says): numba's and the C one round
         # differently, so workers that resume each other's jobs should agree on it
         self.attention_body = (kernels.cpu_attention_body(attn.head_dim)

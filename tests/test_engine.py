@@ -24,7 +24,8 @@ def test_abort_mid_prefill_and_mid_decode(tiny_llama, make_llm) -> None:
     engine.add_request("short", [5, 6, 7], params)
     engine.add_request("waiting", list(range(3, 300)), params)
     engine.step()
-    assert engine.requests["long"].seqs[0].num_computed_tokens == 32  # mid-prefill
+    # mid-prefill: "short" went first (the shortest prefill of those that came together)
+    assert engine.requests["long"].seqs[0].num_computed_tokens == 32 - 3
     used = engine.block_manager.num_used_blocks
     delta = engine.abort("long")
     assert delta.finished and delta.samples[0].finish_reason == "abort"
@@ -200,6 +201,33 @@ def test_kv_pool_sized_from_the_memory_budget(tiny_llama, make_llm) -> None:
     # never more than max_num_seqs sequences at the full context need
     capped = make_llm(tiny_llama, kv_cache_memory_gib=1.0, max_num_seqs=2, max_model_len=100)
     assert capped.stats()["kv_blocks_total"] == 2 * 7
+
+
+def test_a_reserved_pool_is_written_whole_at_start_and_generates_the_same(
+        tiny_llama, make_llm) -> None:
+    import ctypes
+    import ctypes.util
+
+    def resident_pages(tensor) -> int:  # mincore(2): the pages of tensor in memory now
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        pages = -(-tensor.nbytes // 4096)
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(tensor.data_ptr(), tensor.nbytes, vec) == 0
+        return sum(b & 1 for b in vec.raw)
+
+    prompts = ["the first prompt", "a second, longer prompt than that"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = make_llm(tiny_llama, kv_cache_memory_gib=0.01)
+    reserved = make_llm(tiny_llama, kv_cache_memory_gib=0.01, reserve_kv_cache=True)
+    pool = reserved.engine.model_runner.kv_cache
+    assert pool.shape == plain.engine.model_runner.kv_cache.shape
+    assert pool.data_ptr() % (2 << 20) == 0
+    # every page of the reserved pool is in memory before any call
+    assert resident_pages(pool) == -(-pool.nbytes // 4096)
+    assert not pool[:, :, 1:].any()
+    assert ([o.outputs[0].token_ids for o in reserved.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
 
 
 def test_a_token_has_the_same_bits_however_it_is_computed(tmp_path, make_llm) -> None:

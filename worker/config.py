@@ -28,6 +28,9 @@ class Settings(BaseSettings):
         None, description="the checkpoint's weight quantization; unset: read from config.json")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks")
     kv_cache_memory_gib: float = Field(4.0, gt=0, description="CPU KV pool budget")
+    reserve_kv_cache: bool = Field(False, description="CPU: write the whole KV pool at start-up, "
+                                   "in huge pages (a dedicated host: ~5 % faster, memory held "
+                                   "from the start)")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="share of GPU memory for weights, activations and KV")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
