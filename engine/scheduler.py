@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
-
 SHORTEST_FIRST_WINDOW_S = 1.0
 SHORTEST_FIRST_SCAN = 64  # bounds the scan (an offline call may add thousands at once)
 
