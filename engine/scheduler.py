@@ -13,11 +13,13 @@ oldest of that priority, among its first ``SHORTEST_FIRST_SCAN``); otherwise arr
 of prompts then gets its first tokens sooner: a prefill is compute-bound, so each request's
 first token waits for the prompts computed before it, and the short ones first make the median
 wait shorter while the last prompt finishes no later (the same prompts are computed either
-way). vLLM admits first come, first served. 32 prompts of 64-256 tokens added at once
-(``benchmarks/serve.py``'s burst, SmolLM2, an Intel Xeon, 2 threads, three draws): first come,
-first served gave their first tokens at a median of 3.0-3.7 s, the last at 3.7-4.5 s; shortest
-first at 1.4-1.8 s, the last at 3.8-4.5 s. The window bounds what a long prompt can be passed
-by: only prompts that arrived within the window after it.
+way). vLLM admits first come, first served. 32 prompts of 64-256 tokens added to the engine
+at once (SmolLM2, an Intel Xeon, 2 threads, three draws): first come, first served gave their
+first tokens at a median of 3.0-3.7 s, the last at 3.7-4.5 s; shortest first at 1.4-1.8 s, the
+last at 3.8-4.5 s. Through a worker (``benchmarks/serve.py``'s burst) the gain mostly vanishes:
+it reads a burst two steps' worth at a time (``worker/intake.py``), so fewer wait together. The
+window bounds what a long prompt can be passed by: only prompts that arrived within the window
+after it.
 """
 
 from bisect import insort
@@ -163,8 +165,9 @@ class Scheduler:
             if (seq.priority != head.priority
                     or seq.arrival - head.arrival > SHORTEST_FIRST_WINDOW_S):
                 break
-            if _prefill_left(seq) < fewest:
-                best, fewest = i, _prefill_left(seq)
+            left = _prefill_left(seq)
+            if left < fewest:
+                best, fewest = i, left
         return best
 
     def _preempt(self, seq: Sequence) -> None:
