@@ -7,7 +7,8 @@
  *
  * A token's keys are taken in chunks of CHUNK positions, each chunk's softmax partial (its
  * max, its sum of exponentials and its weighted values) by pagedq_attend_parts, then combined
- * in chunk order by pagedq_attend_combine. The chunks are fixed by position, not by the
+ * in chunk order by pagedq_attend_combine (cpu_attention_tasks.c). A prefill's scores may read
+ * its keys as columns (cpu_attention_columns.h), with the same bits. The chunks are fixed by position, not by the
  * threads, so that one long sequence's chunks run on every core with the same bits.
  *
  * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. The
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 
 #include "cpu_attention_ahead.h"
+#include "cpu_attention_columns.h"
 #include "cpu_attention_pairs.h"
 #include "cpu_attention_values.h"
 #include "cpu_kernels.h"
@@ -71,14 +73,15 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               int64_t block_size, int64_t kv_begin, int64_t kv_end,
                               float *restrict m, float *restrict s, float *restrict acc,
-                              int64_t ld_m) {
+                              int64_t ld_m, const float *restrict columns) {
     const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;
     const int64_t g_begin = kv_begin * group, g_end = kv_end * group;
     const int64_t qsize = num_heads * head_dim;
     int64_t longest = 0;
     for (int64_t i = 0; i < nq; i++)
         longest = t_end[i] - t_begin > longest ? t_end[i] - t_begin : longest;
-    const int64_t stride = (longest + 7) & ~(int64_t)7; /* a head's scores, every query's */
+    /* a head's scores, every query's: whole tiles of 8 keys, or of 16 over columns */
+    const int64_t pad = COLUMNS && columns ? 15 : 7, stride = (longest + pad) & ~pad;
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(nq * num_heads * stride));
     float *qs = aligned_alloc(64, sizeof(float) * (size_t)(nq * qsize));
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)stride);
@@ -124,7 +127,15 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
 #else
     const int64_t steps = (kv_end - kv_begin) * (head_dim / 8);
 #endif
+#if COLUMNS
+    if (columns)
+        scores_over_columns(qs, nq, columns, t_begin, t_end, stride, num_heads, num_kv_heads,
+                            head_dim, kv_begin, kv_end, scores);
+    for (int64_t t0 = 0; !columns && t0 < stride; t0 += 8) {
+#else
+    (void)columns;
     for (int64_t t0 = 0; t0 < stride; t0 += 8) {
+#endif
         ahead_t ahead;
         ahead_start(&ahead, k_cache, v_cache, offsets, t0, stride, kv_begin, kv_end, head_dim,
                     steps);
@@ -186,17 +197,24 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
     }
     /* acc: each query head's values, its sums over the keys in order (value_pass writes them
      * whole) */
-    for (int64_t i = 0; i < nq; i++) {
-        const int64_t length = t_end[i] - t_begin;
-        const float *si = scores + i * num_heads * stride;
-        float *ai = acc + i * ld_m * head_dim;
+    for (int64_t i = 0; i < nq;) {
+        /* two queries at a time share the value rows' loads (value_slab); one in pairs */
+#if PAIRED
+        const int Q = nq - i > 1 && !paired ? 2 : 1;
+#else
+        const int Q = nq - i > 1 ? 2 : 1;
+#endif
+        const int64_t length[2] = {t_end[i] - t_begin, Q == 2 ? t_end[i + 1] - t_begin : 0};
+        const int64_t next_scores = num_heads * stride, next_sums = ld_m * head_dim;
+        const float *si = scores + i * next_scores;
+        float *ai = acc + i * next_sums;
         for (int64_t h = kv_begin; h < kv_end; h++)
             for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
                 const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
                 const stored_t *vh = v_cache + h * head_dim;
 #if PAIRED
                 const uint32_t *ppi = pp + i * num_heads * ldp;
-                const int64_t npairs = (length + 1) / 2;
+                const int64_t npairs = (length[0] + 1) / 2;
                 if (paired && G == 3)
                     value_pass_pairs(ppi, ldp, vh, offsets, npairs, 3, g, ai, head_dim);
                 else if (paired && G == 2)
@@ -205,10 +223,17 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
                     value_pass_pairs(ppi, ldp, vh, offsets, npairs, 1, g, ai, head_dim);
                 else
 #endif
-                if (G == 3) value_pass(si, stride, vh, offsets, length, 3, g, ai, head_dim);
-                else if (G == 2) value_pass(si, stride, vh, offsets, length, 2, g, ai, head_dim);
-                else value_pass(si, stride, vh, offsets, length, 1, g, ai, head_dim);
+#define VALUE_PASS(Q, G) value_pass(si, stride, vh, offsets, length, Q, G, g, ai, head_dim, \
+                                    next_scores, next_sums)
+                if (Q == 2 && G == 3) VALUE_PASS(2, 3);
+                else if (Q == 2 && G == 2) VALUE_PASS(2, 2);
+                else if (Q == 2) VALUE_PASS(2, 1);
+                else if (G == 3) VALUE_PASS(1, 3);
+                else if (G == 2) VALUE_PASS(1, 2);
+                else VALUE_PASS(1, 1);
+#undef VALUE_PASS
             }
+        i += Q;
     }
     free(scores);
     free(qs);
@@ -217,31 +242,4 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
     free(qp);
 #endif
     return 0;
-}
-
-/* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_parts, chunk
- * c's at m + c * num_heads, s + c * num_heads, acc + c * num_heads * head_dim: each rescaled
- * by exp(its max - the highest), summed in chunk order, divided by the summed s. */
-void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc,
-                                 int64_t chunks, int64_t num_heads, int64_t head_dim,
-                                 int64_t g_begin, int64_t g_end, float *out) {
-    for (int64_t g = g_begin; g < g_end; g++) {
-        float top = m[g], denom = 0.0f, *o = out + g * head_dim;
-        for (int64_t c = 1; c < chunks; c++) {
-            const float mc = m[c * num_heads + g];
-            top = mc > top ? mc : top;
-        }
-        for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-        for (int64_t c = 0; c < chunks; c++) {
-            const __m256 w = exp8(_mm256_set1_ps(m[c * num_heads + g] - top));
-            denom += s[c * num_heads + g] * _mm256_cvtss_f32(w);
-            const float *a = acc + (c * num_heads + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), w,
-                                                        _mm256_loadu_ps(o + d)));
-        }
-        const __m256 dv = _mm256_set1_ps(denom);
-        for (int64_t d = 0; d < head_dim; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), dv));
-    }
 }

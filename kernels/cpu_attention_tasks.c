@@ -1,10 +1,12 @@
 /* The CPU paged attention's parallel loops, on torch's OpenMP threads (compiled with
  * kernels/cpu_attention.c, whose per-token body they run): a decode step's rows in chunks of
- * keys, and a prefill's tokens in tiles that share key loads. Over float32 pools, or bfloat16
- * ones in cpu_bf16.c's build. */
+ * keys, and a prefill's tokens in tiles that share key loads (and, with AVX-512 in float32, its
+ * keys laid out as columns once for every tile); then the chunks' partials combined. Over
+ * float32 pools, or bfloat16 ones in cpu_bf16.c's build. */
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_attention_columns.h"
 #include "cpu_kernels.h"
 
 /* A decode step's attention: `rows` query tokens (q and out rows ldq apart), row r over its
@@ -54,7 +56,7 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k
                                       num_heads, num_kv_heads, head_dim, block_size, h,
                                       h + num_kv_heads / split, part_m + part * num_heads,
                                       part_s + part * num_heads, part_acc + part * q_size,
-                                      0) != 0) {
+                                      0, 0) != 0) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -74,10 +76,54 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k
     return failed ? -1 : 0;
 }
 
+#if COLUMNS
+/* Every sequence's keys that the tiles read (to its last tile's last query), as columns
+ * (key_columns), at *cols + (*cols_at)[sequence]: laid out once for all of its tiles. Returns
+ * 0, or -1 where the memory could not be had. */
+static int key_columns_of(const stored_t *k_cache, const int32_t *tables, int64_t table_stride,
+                          const int64_t *tiles, int64_t ntiles, int64_t row, int64_t block_size,
+                          int64_t threads, float **cols, int64_t **cols_at) {
+    int64_t sequences = 0;
+    for (int64_t i = 0; i < ntiles; i++)
+        sequences = tiles[4 * i + 2] + 1 > sequences ? tiles[4 * i + 2] + 1 : sequences;
+    /* per sequence: its keys, then its first group's index among all groups */
+    int64_t *keys = calloc((size_t)(2 * sequences + 1), sizeof(int64_t));
+    if (!keys) return -1;
+    int64_t *first = keys + sequences;
+    for (int64_t i = 0; i < ntiles; i++) {
+        const int64_t seq = tiles[4 * i + 2], end = tiles[4 * i + 3] + tiles[4 * i + 1];
+        keys[seq] = end > keys[seq] ? end : keys[seq];
+    }
+    for (int64_t seq = 0; seq < sequences; seq++)
+        first[seq + 1] = first[seq] + (keys[seq] + 15) / 16;
+    const int64_t groups = first[sequences];
+    *cols = groups < INT64_MAX / 64 / row ? aligned_alloc(64, sizeof(float) * (size_t)(
+        groups * row * 16)) : 0;
+    *cols_at = malloc(sizeof(int64_t) * (size_t)(sequences > 0 ? sequences : 1));
+    if (!*cols || !*cols_at) {
+        free(keys);
+        free(*cols);
+        free(*cols_at);
+        return -1;
+    }
+    for (int64_t seq = 0; seq < sequences; seq++) (*cols_at)[seq] = first[seq] * row * 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t seq = 0;
+        while (g >= first[seq + 1]) seq++;
+        key_columns(k_cache, tables + seq * table_stride, block_size, row,
+                    (g - first[seq]) * 16, keys[seq], *cols + g * row * 16);
+    }
+    free(keys);
+    return 0;
+}
+#endif
+
 /* A prefill's attention: tiles[4 * i ...] = (first query row, queries, sequence, position of
  * the first), each tile's queries consecutive tokens of one sequence; q and out [rows][heads *
  * head_dim], tables [sequences][table_stride]. A tile's queries share each chunk's key loads
- * (pagedq_attend_parts), then each query's chunks combine in order: the bits
+ * (pagedq_attend_parts; where COLUMNS, from the keys laid out once per call by key_columns_of),
+ * then each query's chunks combine in order: the bits
  * pagedq_decode_attention gives each token alone. The tiles run on `threads` threads, largest
  * first as the caller orders them. Returns 0, or -1 where scratch memory could not be had (out
  * is then undefined). */
@@ -87,6 +133,13 @@ int NAME(pagedq_prefill)(const float *q, const stored_t *k_cache, const stored_t
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           int64_t threads) {
     const int64_t qsize = num_heads * head_dim;
+    float *cols = 0;
+    int64_t *cols_at = 0;
+#if COLUMNS
+    if (key_columns_of(k_cache, tables, table_stride, tiles, ntiles, num_kv_heads * head_dim,
+                       block_size, threads, &cols, &cols_at) != 0)
+        return -1;
+#endif
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t tile = 0; tile < ntiles; tile++) {
@@ -110,7 +163,7 @@ int NAME(pagedq_prefill)(const float *q, const stored_t *k_cache, const stored_t
                                      num_kv_heads, m + first * ld_m + c * num_heads,
                                      s + first * ld_m + c * num_heads,
                                      acc + (first * ld_m + c * num_heads) * head_dim,
-                                     ld_m) == 0;
+                                     ld_m, cols ? cols + cols_at[tiles[4 * tile + 2]] : 0) == 0;
         }
         if (!ok) {
 #pragma omp atomic write
@@ -125,5 +178,34 @@ int NAME(pagedq_prefill)(const float *q, const stored_t *k_cache, const stored_t
         free(acc);
         free(t_end);
     }
+    free(cols);
+    free(cols_at);
     return failed ? -1 : 0;
+}
+
+/* out[g] for query heads g_begin to g_end from `chunks` partials of pagedq_attend_parts, chunk
+ * c's at m + c * num_heads, s + c * num_heads, acc + c * num_heads * head_dim: each rescaled
+ * by exp(its max - the highest), summed in chunk order, divided by the summed s. */
+void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc,
+                                 int64_t chunks, int64_t num_heads, int64_t head_dim,
+                                 int64_t g_begin, int64_t g_end, float *out) {
+    for (int64_t g = g_begin; g < g_end; g++) {
+        float top = m[g], denom = 0.0f, *o = out + g * head_dim;
+        for (int64_t c = 1; c < chunks; c++) {
+            const float mc = m[c * num_heads + g];
+            top = mc > top ? mc : top;
+        }
+        for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
+        for (int64_t c = 0; c < chunks; c++) {
+            const __m256 w = exp8(_mm256_set1_ps(m[c * num_heads + g] - top));
+            denom += s[c * num_heads + g] * _mm256_cvtss_f32(w);
+            const float *a = acc + (c * num_heads + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), w,
+                                                        _mm256_loadu_ps(o + d)));
+        }
+        const __m256 dv = _mm256_set1_ps(denom);
+        for (int64_t d = 0; d < head_dim; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), dv));
+    }
 }

@@ -93,7 +93,8 @@ int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq,
                               const int32_t *table, int64_t t_begin, const int64_t *t_end,
                               float scale, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, int64_t kv_begin,
-                              int64_t kv_end, float *m, float *s, float *acc, int64_t ld_m);
+                              int64_t kv_end, float *m, float *s, float *acc, int64_t ld_m,
+                              const float *columns);
 void NAME(pagedq_attend_combine)(const float *m, const float *s, const float *acc,
                                  int64_t chunks, int64_t num_heads, int64_t head_dim,
                                  int64_t g_begin, int64_t g_end, float *out);

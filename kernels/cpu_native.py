@@ -42,8 +42,9 @@ import torch
 
 _SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.c",
             "cpu_decode.c", "cpu_bf16.c")
-_HEADERS = ("cpu_kernels.h", "cpu_attention_ahead.h", "cpu_attention_values.h",
-            "cpu_attention_pairs.h", "cpu_gemv_amx.h", "cpu_gemv_chunks.h")
+_HEADERS = ("cpu_kernels.h", "cpu_attention_ahead.h", "cpu_attention_columns.h",
+            "cpu_attention_values.h", "cpu_attention_pairs.h", "cpu_gemv_amx.h",
+            "cpu_gemv_chunks.h")
 # PAGEDQ_NATIVE_MARCH: another -march than this CPU's (haswell, say: the AVX2 build), to test
 # that build's paths on a machine that has more
 FLAGS = ["-O3", f"-march={os.environ.get('PAGEDQ_NATIVE_MARCH') or 'native'}",

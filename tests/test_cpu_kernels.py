@@ -61,16 +61,20 @@ def test_decode_matches_reference(group: int, head_dim: int, block_size: int, bo
 
 
 
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_matches_reference_and_decode_bit_for_bit(group: int, block_size: int,
-                                                          body: str) -> None:
-    """Ragged prefills over cached prefixes (one token, a block boundary, a whole prompt) equal
-    the reference, and each token equals, bit for bit, the decode step that would compute it:
-    a resumed or re-chunked sequence then sees the bits its first run saw."""
-    gen = torch.Generator().manual_seed(group * 100 + block_size)
-    num_kv_heads, head_dim = 2, 64
-    contexts, queries = [1, 2 * block_size, 5 * block_size + 3, 70], [1, 3, 5 * block_size + 3, 9]
+                                                          head_dim: int, body: str) -> None:
+    """Ragged prefills over cached prefixes (one token, a block boundary, a whole prompt, a
+    prompt whose keys run over two chunks of 256) equal the reference, and each token equals,
+    bit for bit, the decode step that would compute it: a resumed or re-chunked sequence then
+    sees the bits its first run saw. Every query-head group the C body's tiles take (1 to 3
+    heads a KV head, and 8 as 3 + 3 + 2), and the two-query value pass with an odd query out."""
+    gen = torch.Generator().manual_seed(group * 100 + block_size + head_dim)
+    num_kv_heads = 2
+    contexts = [1, 2 * block_size, 5 * block_size + 3, 70, 530]
+    queries = [1, 3, 5 * block_size + 3, 9, 37]
     width = -(-max(contexts) // block_size)
     tables = torch.randperm(len(contexts) * width, generator=gen).view(-1, width).int()
     shape = (len(contexts) * width, block_size, num_kv_heads, head_dim)
