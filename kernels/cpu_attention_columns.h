@@ -50,6 +50,17 @@ static inline __attribute__((always_inline)) void score_columns(
     }
 }
 
+/* score_columns for query heads g_begin to g_end (one KV head's), QGROUP at a time */
+static inline void score_columns_heads(const float *qi, const float *col, int64_t head_dim,
+                                       int64_t g_begin, int64_t g_end, float *si,
+                                       int64_t stride, int64_t t0) {
+    for (int64_t g = g_begin; g < g_end; g += QGROUP) {
+        if (g_end - g >= 3) score_columns(qi, col, head_dim, 3, g, si, stride, t0);
+        else if (g_end - g == 2) score_columns(qi, col, head_dim, 2, g, si, stride, t0);
+        else score_columns(qi, col, head_dim, 1, g, si, stride, t0);
+    }
+}
+
 /* The scores of nq queries (qs, scaled, qsize apart) over keys t_begin (a multiple of 16) to
  * t_end[i] - 1 of their sequence (`columns`: key_columns' groups of 16 from its first key), KV
  * heads kv_begin to kv_end, into scores [nq][num_heads][stride]. A group's columns serve every
@@ -62,17 +73,11 @@ static inline void scores_over_columns(const float *qs, int64_t nq, const float 
     for (int64_t t0 = 0; t0 < stride; t0 += 16)
         for (int64_t h = kv_begin; h < kv_end; h++) {
             const float *col = columns + ((t_begin + t0) / 16 * num_kv_heads + h) * head_dim * 16;
-            for (int64_t i = 0; i < nq; i++) {
-                if (t0 >= t_end[i] - t_begin) continue;
-                const float *qi = qs + i * qsize;
-                float *si = scores + i * num_heads * stride;
-                for (int64_t g = h * group; g < (h + 1) * group; g += QGROUP) {
-                    const int64_t G = (h + 1) * group - g < QGROUP ? (h + 1) * group - g : QGROUP;
-                    if (G == 3) score_columns(qi, col, head_dim, 3, g, si, stride, t0);
-                    else if (G == 2) score_columns(qi, col, head_dim, 2, g, si, stride, t0);
-                    else score_columns(qi, col, head_dim, 1, g, si, stride, t0);
-                }
-            }
+            for (int64_t i = 0; i < nq; i++)
+                if (t0 < t_end[i] - t_begin)
+                    score_columns_heads(qs + i * qsize, col, head_dim, h * group,
+                                        (h + 1) * group, scores + i * num_heads * stride, stride,
+                                        t0);
         }
 }
 
