@@ -77,28 +77,36 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k
 }
 
 #if COLUMNS
+/* A sequence's keys are laid out as columns where the call has at least this many of its
+ * queries: laying them out reads every key once, as one query's attention does. */
+#define COLUMNS_FROM 16
+
 /* Every sequence's keys that the tiles read (to its last tile's last query), as columns
- * (key_columns), at *cols + (*cols_at)[sequence]: laid out once for all of its tiles. Returns
- * 0, or -1 where the memory could not be had. */
+ * (key_columns), at *cols + (*cols_at)[sequence], or (*cols_at)[sequence] -1 for a sequence of
+ * fewer than COLUMNS_FROM queries here: laid out once for all of its tiles. Returns 0, or -1
+ * where the memory could not be had. */
 static int key_columns_of(const stored_t *k_cache, const int32_t *tables, int64_t table_stride,
                           const int64_t *tiles, int64_t ntiles, int64_t row, int64_t block_size,
                           int64_t threads, float **cols, int64_t **cols_at) {
     int64_t sequences = 0;
     for (int64_t i = 0; i < ntiles; i++)
         sequences = tiles[4 * i + 2] + 1 > sequences ? tiles[4 * i + 2] + 1 : sequences;
-    /* per sequence: its keys, then its first group's index among all groups */
-    int64_t *keys = calloc((size_t)(2 * sequences + 1), sizeof(int64_t));
+    /* per sequence: its keys, its queries, then its first group's index among all groups */
+    int64_t *keys = calloc((size_t)(3 * sequences + 1), sizeof(int64_t));
     if (!keys) return -1;
-    int64_t *first = keys + sequences;
+    int64_t *queries = keys + sequences, *first = queries + sequences;
     for (int64_t i = 0; i < ntiles; i++) {
         const int64_t seq = tiles[4 * i + 2], end = tiles[4 * i + 3] + tiles[4 * i + 1];
         keys[seq] = end > keys[seq] ? end : keys[seq];
+        queries[seq] += tiles[4 * i + 1];
     }
-    for (int64_t seq = 0; seq < sequences; seq++)
+    for (int64_t seq = 0; seq < sequences; seq++) {
+        if (queries[seq] < COLUMNS_FROM) keys[seq] = 0;
         first[seq + 1] = first[seq] + (keys[seq] + 15) / 16;
+    }
     const int64_t groups = first[sequences];
     *cols = groups < INT64_MAX / 64 / row ? aligned_alloc(64, sizeof(float) * (size_t)(
-        groups * row * 16)) : 0;
+        (groups > 0 ? groups : 1) * row * 16)) : 0;
     *cols_at = malloc(sizeof(int64_t) * (size_t)(sequences > 0 ? sequences : 1));
     if (!*cols || !*cols_at) {
         free(keys);
@@ -106,7 +114,8 @@ static int key_columns_of(const stored_t *k_cache, const int32_t *tables, int64_
         free(*cols_at);
         return -1;
     }
-    for (int64_t seq = 0; seq < sequences; seq++) (*cols_at)[seq] = first[seq] * row * 16;
+    for (int64_t seq = 0; seq < sequences; seq++)
+        (*cols_at)[seq] = keys[seq] > 0 ? first[seq] * row * 16 : -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         int64_t seq = 0;
@@ -163,7 +172,8 @@ int NAME(pagedq_prefill)(const float *q, const stored_t *k_cache, const stored_t
                                      num_kv_heads, m + first * ld_m + c * num_heads,
                                      s + first * ld_m + c * num_heads,
                                      acc + (first * ld_m + c * num_heads) * head_dim,
-                                     ld_m, cols ? cols + cols_at[tiles[4 * tile + 2]] : 0) == 0;
+                                     ld_m, cols && cols_at[tiles[4 * tile + 2]] >= 0
+                                               ? cols + cols_at[tiles[4 * tile + 2]] : 0) == 0;
         }
         if (!ok) {
 #pragma omp atomic write
