@@ -8,8 +8,9 @@
  * A token's keys are taken in chunks of CHUNK positions, each chunk's softmax partial (its
  * max, its sum of exponentials and its weighted values) by pagedq_attend_parts, then combined
  * in chunk order by pagedq_attend_combine (cpu_attention_tasks.c). A prefill's scores may read
- * its keys as columns (cpu_attention_columns.h), with the same bits. The chunks are fixed by position, not by the
- * threads, so that one long sequence's chunks run on every core with the same bits.
+ * its keys as columns (cpu_attention_columns.h), with the same bits. The chunks are fixed by
+ * position, not by the threads, so that one long sequence's chunks run on every core with the
+ * same bits.
  *
  * Pool layout [num_blocks][block_size][num_kv_heads][head_dim]; head_dim a multiple of 8. The
  * pools hold float32, or bfloat16 in cpu_bf16.c's build (stored_t, widened as they load). */

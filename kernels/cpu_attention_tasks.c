@@ -83,8 +83,8 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k
 
 /* Every sequence's keys that the tiles read (to its last tile's last query), as columns
  * (key_columns), at *cols + (*cols_at)[sequence], or (*cols_at)[sequence] -1 for a sequence of
- * fewer than COLUMNS_FROM queries here: laid out once for all of its tiles. Returns 0, or -1
- * where the memory could not be had. */
+ * fewer than COLUMNS_FROM queries here: laid out once for all of its tiles; *cols NULL where no
+ * sequence has that many. Returns 0, or -1 where the memory could not be had. */
 static int key_columns_of(const stored_t *k_cache, const int32_t *tables, int64_t table_stride,
                           const int64_t *tiles, int64_t ntiles, int64_t row, int64_t block_size,
                           int64_t threads, float **cols, int64_t **cols_at) {
@@ -105,9 +105,13 @@ static int key_columns_of(const stored_t *k_cache, const int32_t *tables, int64_
         first[seq + 1] = first[seq] + (keys[seq] + 15) / 16;
     }
     const int64_t groups = first[sequences];
+    if (groups == 0) { /* a call of short chunks (a serving step's, say): nothing to lay out */
+        free(keys);
+        return 0;
+    }
     *cols = groups < INT64_MAX / 64 / row ? aligned_alloc(64, sizeof(float) * (size_t)(
-        (groups > 0 ? groups : 1) * row * 16)) : 0;
-    *cols_at = malloc(sizeof(int64_t) * (size_t)(sequences > 0 ? sequences : 1));
+        groups * row * 16)) : 0;
+    *cols_at = malloc(sizeof(int64_t) * (size_t)sequences);
     if (!*cols || !*cols_at) {
         free(keys);
         free(*cols);
