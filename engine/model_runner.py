@@ -178,11 +178,12 @@ class ModelRunner:
         return ctx
 
     def _forward(self, step: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        """The hidden states of every input token: a CUDA graph's replay for the decode steps
-        that fit one (it stages the host lists itself), the CPU's native decode, or the model
-        eagerly. ``step.deferred`` rows take their token from ``prev_tokens``."""
+        """The hidden states of the tokens that sample (``step.logit_rows``, in order): a CUDA
+        graph's replay for the decode steps that fit one (it stages the host lists itself),
+        the CPU's native decode, or the model eagerly. ``step.deferred`` rows take their token
+        from ``prev_tokens``."""
         if self.graphs is not None and self.graphs.can_run(step):
-            return self.graphs.run(step, prev_tokens)
+            return self.graphs.run(step, prev_tokens)  # decode rows: every one samples
         input_ids = self._tensor(step.input_ids, torch.int64)
         if step.deferred:
             assert prev_tokens is not None
@@ -192,10 +193,14 @@ class ModelRunner:
         positions = self._tensor(step.positions, torch.int64)
         ctx = self._context(step)
         if self.cpu_decode is not None and self.cpu_decode.can_run(ctx, input_ids.shape[0]):
-            return self.cpu_decode.run(input_ids, positions, ctx)
+            return self.cpu_decode.run(input_ids, positions, ctx)  # decode rows, as above
+        # where no row samples (chunks short of their prompts' ends), the last stands in: the
+        # layers' products take no empty batch, and ``run`` drops it
+        rows = (None if len(step.logit_rows) == len(step.input_ids)
+                else self._tensor(step.logit_rows or [len(step.input_ids) - 1], torch.int64))
         set_context(ctx)
         try:
-            return self.model(input_ids, positions)
+            return self.model(input_ids, positions, rows)
         finally:
             set_context(None)
 
@@ -213,8 +218,6 @@ class ModelRunner:
         hidden = self._forward(step, prev_tokens)
         if not sample_seqs:
             return [], hidden.new_empty(0, 0, dtype=torch.float32)
-        if len(step.logit_rows) < hidden.shape[0]:  # else every row, in order (decode steps)
-            hidden = hidden[self._tensor(step.logit_rows, torch.int64)]
         return sample_seqs, self.model.compute_logits(hidden).float()
 
 

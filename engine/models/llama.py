@@ -70,13 +70,15 @@ class Attention(DirectModule):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's KV is stored; the output is of the rows ``keep`` (all where None)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        return self.o_proj(out.view(-1, self.q_size))
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)).view(-1, self.q_size)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class MLP(DirectModule):
@@ -97,10 +99,14 @@ class DecoderLayer(DirectModule):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keep``: the rows whose output is wanted (all where None); every row's KV is
+        stored either way."""
         x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        out = self.self_attn(positions, x, keep)
+        x, residual = self.post_attention_layernorm(
+            out, residual if keep is None else residual[keep])
         return self.mlp(x), residual
 
 
@@ -115,10 +121,19 @@ class LlamaModel(DirectModule):
             DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output of the rows ``output_rows`` (every row where None). The
+        last layer computes only those rows past its attention, as llama.cpp's graphs do (its
+        ``inp_out_ids``): a prefill samples one token of each prompt, and the other tokens
+        need of that layer only their stored KV. random-26m's 8 layers: a tenth of a
+        prefill's products (o_proj and the MLP of one layer in eight); the same bits, a
+        row's product being the same in any batch (engine.cpu_linear)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        layers = self.decoder_layers()
+        for i, layer in enumerate(layers):
+            x, residual = layer(positions, x, residual,
+                                output_rows if i == len(layers) - 1 else None)
         return self.norm(x, residual)[0]
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -138,8 +153,9 @@ class LlamaForCausalLM(DirectModule):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
