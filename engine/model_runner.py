@@ -196,11 +196,11 @@ class ModelRunner:
             return self.cpu_decode.run(input_ids, positions, ctx)  # decode rows, as above
         # where no row samples (chunks short of their prompts' ends), the last stands in: the
         # layers' products take no empty batch, and ``run`` drops it
-        rows = (None if len(step.logit_rows) == len(step.input_ids)
-                else self._tensor(step.logit_rows or [len(step.input_ids) - 1], torch.int64))
+        output_rows = (None if len(step.logit_rows) == len(step.input_ids) else self._tensor(
+            step.logit_rows or [len(step.input_ids) - 1], torch.int64))
         set_context(ctx)
         try:
-            return self.model(input_ids, positions, rows)
+            return self.model(input_ids, positions, output_rows)
         finally:
             set_context(None)
 
