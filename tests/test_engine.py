@@ -3,6 +3,7 @@ samples of a job share the prompt's blocks, seeded sampling ignores the batch, b
 clear error and the engine keeps working."""
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from tests.conftest import assert_pool_whole, hf_greedy
@@ -266,3 +267,35 @@ def _samples(engine) -> dict[int, tuple[list[int], list[dict[int, float]]]]:
                 ids += s.token_ids
                 logprobs += s.logprobs or []
     return out
+
+
+def test_the_last_layer_computes_the_rows_that_sample_with_the_whole_batchs_bits(
+        tiny_llama, make_llm) -> None:
+    """A prefill's last layer runs past its attention only on the rows that sample (the
+    model's ``output_rows``): their hidden states are the bits every row computed gives, and
+    every row's KV is still stored. Two prompts in one step, the second cut short of its end by
+    the token budget (it samples nothing)."""
+    from engine.context import set_context
+
+    llm = make_llm(tiny_llama, max_num_batched_tokens=64)
+    engine, runner = llm.engine, llm.engine.model_runner
+    engine.add_request("a", [7 + (i * 13) % 300 for i in range(40)], SamplingParams(max_tokens=2))
+    engine.add_request("b", [9 + (i * 11) % 300 for i in range(30)], SamplingParams(max_tokens=2))
+    step, sampled = runner._gather(engine.scheduler.schedule())
+    # the shorter prompt goes first (shortest prefill first) and samples; the other is cut
+    assert [s.request_id for s in sampled] == ["b"] and len(step.input_ids) == 64
+    with torch.inference_mode():
+        kept = runner._forward(step, None)
+        pool = runner.kv_cache.clone()
+        runner.kv_cache.zero_()
+        ctx = runner._context(step)
+        set_context(ctx)
+        try:
+            every = runner.model(torch.tensor(step.input_ids), torch.tensor(step.positions))
+        finally:
+            set_context(None)
+    assert kept.shape == (1, every.shape[1])
+    assert torch.equal(kept, every[step.logit_rows])
+    assert torch.equal(runner.kv_cache, pool)  # the same KV, every layer's, every row's
+    for request_id in ("a", "b"):
+        engine.abort(request_id)
