@@ -15,7 +15,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine import LLM  # noqa: E402
+from engine.context import Context, set_context  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
 from engine.random_model import build_random_checkpoint  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("PAGEDQ_TEST_THREADS", "2")))
@@ -51,6 +53,16 @@ def smollm2() -> Path:
     from engine.default_model import default_model_path
 
     return default_model_path()
+
+
+def run_modules(runner: ModelRunner, ids: torch.Tensor, positions: torch.Tensor,
+                ctx: Context) -> torch.Tensor:
+    """Every row's final hidden state through the model's modules, as a step with ``ctx``."""
+    set_context(ctx)
+    try:
+        return runner.model(ids, positions)
+    finally:
+        set_context(None)
 
 
 def assert_pool_whole(engine: LLMEngine) -> None:

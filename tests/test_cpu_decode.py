@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.context import Context, DecodeGroup, set_context
+from engine.context import Context, DecodeGroup
 from engine.cpu_linear import GEMV_ROWS
 from engine.model_runner import ModelRunner
 from kernels import cpu_decode, cpu_native, cpu_rows, reference
+from tests.conftest import run_modules
 
 BLOCK = 16
 
@@ -35,15 +36,6 @@ def _batch(runner: ModelRunner, lens: list[int],
     return ids, positions, ctx
 
 
-def _modules(runner: ModelRunner, ids: torch.Tensor, positions: torch.Tensor,
-             ctx: Context) -> torch.Tensor:
-    set_context(ctx)
-    try:
-        return runner.model(ids, positions)
-    finally:
-        set_context(None)
-
-
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_llama3", "tiny_mistral"])
 def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequest,
                                           make_llm: Callable[..., LLM]) -> None:
@@ -61,7 +53,7 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
                      [7 * i + 1 for i in range(12)]):
             ids, positions, ctx = _batch(runner, lens, gen)
             before = runner.kv_cache.clone()
-            want = _modules(runner, ids, positions, ctx)
+            want = run_modules(runner, ids, positions, ctx)
             stored = runner.kv_cache.clone()
             runner.kv_cache.copy_(before)
             assert runner.cpu_decode.can_run(ctx, len(lens))
@@ -73,7 +65,7 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
         assert len(lens) > max_rows == GEMV_ROWS
         ids, positions, ctx = _batch(runner, lens, gen)
         assert not runner.cpu_decode.can_run(ctx, len(lens))
-        crowd = _modules(runner, ids, positions, ctx)
+        crowd = run_modules(runner, ids, positions, ctx)
         group = ctx.decode_groups[0]
         for i in range(len(lens)):
             alone = Context(slot_mapping=ctx.slot_mapping[i:i + 1], num_decode_tokens=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from tests.conftest import assert_pool_whole, hf_greedy
+from tests.conftest import assert_pool_whole, hf_greedy, run_modules
 
 
 def _run(engine) -> dict[str, list]:
@@ -275,8 +275,6 @@ def test_the_last_layer_computes_the_rows_that_sample_with_the_whole_batchs_bits
     model's ``output_rows``): their hidden states are the bits every row computed gives, and
     every row's KV is still stored. Two prompts in one step, the second cut short of its end by
     the token budget (it samples nothing)."""
-    from engine.context import set_context
-
     llm = make_llm(tiny_llama, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.model_runner
     engine.add_request("a", [7 + (i * 13) % 300 for i in range(40)], SamplingParams(max_tokens=2))
@@ -288,12 +286,8 @@ def test_the_last_layer_computes_the_rows_that_sample_with_the_whole_batchs_bits
         kept = runner._forward(step, None)
         pool = runner.kv_cache.clone()
         runner.kv_cache.zero_()
-        ctx = runner._context(step)
-        set_context(ctx)
-        try:
-            every = runner.model(torch.tensor(step.input_ids), torch.tensor(step.positions))
-        finally:
-            set_context(None)
+        every = run_modules(runner, torch.tensor(step.input_ids), torch.tensor(step.positions),
+                            runner._context(step))
     assert kept.shape == (1, every.shape[1])
     assert torch.equal(kept, every[step.logit_rows])
     assert torch.equal(runner.kv_cache, pool)  # the same KV, every layer's, every row's
