@@ -143,3 +143,42 @@ def test_held_slots_counts_each_block_once_at_its_fullest() -> None:
             held[block] = max(held.get(block, 0), fill)
     assert bm.held_slots(seqs) == (sum(held.values()), len(held))
     assert bm.held_slots([]) == (0, 0)
+
+
+def _decode(bm: BlockManager, seq: Sequence) -> None:
+    """One decode step of ``seq``: a token sampled, its slot made."""
+    _compute(bm, seq, len(seq) - seq.num_computed_tokens)
+    seq.token_ids.append(7)
+    assert bm.append_slots(seq, 1, [])
+
+
+def test_sequences_admitted_together_each_grow_into_a_run_of_blocks() -> None:
+    """Each admission leaves the free blocks its prompt and max_tokens could fill after its run,
+    so that sequences decoding side by side each keep their KV in one run of the pool."""
+    bm = BlockManager(32, 2, enable_prefix_caching=True)
+    seqs = [Sequence("r", [i] * 4, SamplingParams(max_tokens=6)) for i in range(3)]
+    for seq in seqs:
+        assert bm.allocate(seq, 4) == 4
+    assert [s.block_table for s in seqs] == [[0, 1], [5, 6], [10, 11]]
+    assert bm.num_free_blocks == 26  # the room is left free, not held
+    for _ in range(6):
+        for seq in seqs:
+            _decode(bm, seq)
+    assert [s.block_table for s in seqs] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9],
+                                             [10, 11, 12, 13, 14]]
+
+
+def test_a_sequence_whose_next_block_is_taken_grows_from_the_queue() -> None:
+    """The room is a preference: once the queue reaches it, another sequence takes it, and the
+    sequence it was left for grows from the queue's front instead, then on from there."""
+    bm = BlockManager(6, 2, enable_prefix_caching=False)
+    a = Sequence("a", [1, 2], SamplingParams(max_tokens=8))
+    assert bm.allocate(a, 2) == 2 and a.block_table == [0]
+    assert list(bm.free_queue) == [5, 1, 2, 3, 4]  # a's room at the back
+    b, c = (Sequence(name, [3, 4], SamplingParams(max_tokens=1)) for name in "bc")
+    assert bm.allocate(b, 2) == 2 and b.block_table == [5]
+    assert bm.allocate(c, 2) == 2 and c.block_table == [1]  # the queue reached a's room
+    assert list(bm.free_queue) == [3, 4, 2]  # and c's own room, block 2, went to the back
+    for _ in range(3):
+        _decode(bm, a)
+    assert a.block_table == [0, 3, 4]
