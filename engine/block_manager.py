@@ -16,10 +16,12 @@ A sequence grows into the block after its last where that one is free, and its a
 sends the free blocks after its run (as many as its prompt and ``max_tokens`` could fill, up
 to ``ROOM_BLOCKS``) to the queue's back, so that the sequences admitted after it take blocks
 further on and leave it room. Without that, 128 sequences admitted back to back each grew
-into blocks scattered among the others' (27 % of a table's neighbours apart): the decode
-attention reads a run of blocks from memory faster than scattered ones (random-26m's 128
-throughput.py requests, Intel Xeon, 2 threads: 23.7 -> 25.7 GB/s, the call 15.1-15.6 -> 14.7
-s). The room is a preference, not a reservation: the blocks stay free and counted, and any
+into blocks scattered among the others' (27 % of a table's neighbours apart), and the decode
+attention reads a run of blocks from memory faster than scattered ones: random-26m's 128
+throughput.py requests, Intel Xeon, 2 threads, two processes of each alternating, the native
+decode steps' attention 4.72 / 4.60 / 4.51 / 4.56 -> 4.30 / 4.30 / 4.30 / 4.28 s a call
+(22.1-23.1 -> 24.3-24.4 GB/s; the call about 0.3 s, 2 %, shorter). The room is a preference,
+not a reservation: the blocks stay free and counted, and any
 sequence takes them once the queue reaches them; LRU eviction holds but for them (their cached
 content outlives older blocks' until the queue reaches them or their sequence grows into them).
 """
