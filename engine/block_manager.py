@@ -21,9 +21,9 @@ attention reads a run of blocks from memory faster than scattered ones: random-2
 throughput.py requests, Intel Xeon, 2 threads, two processes of each alternating, the native
 decode steps' attention 4.72 / 4.60 / 4.51 / 4.56 -> 4.30 / 4.30 / 4.30 / 4.28 s a call
 (22.1-23.1 -> 24.3-24.4 GB/s; the call about 0.3 s, 2 %, shorter). The room is a preference,
-not a reservation: the blocks stay free and counted, and any
-sequence takes them once the queue reaches them; LRU eviction holds but for them (their cached
-content outlives older blocks' until the queue reaches them or their sequence grows into them).
+not a reservation: the blocks stay free and counted, and any sequence takes them once the queue
+reaches them; LRU eviction holds but for them (their cached content outlives older blocks'
+until the queue reaches them or their sequence grows into them).
 """
 
 from collections import OrderedDict
