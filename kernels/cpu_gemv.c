@@ -77,19 +77,21 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 #define TILE 6
 #define PANELS 1
 #endif
-/* One row takes ONE_ROW_PANELS panels a group: a panel's 16 outputs are two FMA chains (the
- * order of the sums allows no more), so a step waits on the FMA's latency and the loads run
- * only as far ahead as the core's window reaches; four panels are four streams and eight
- * chains. AVX2, an AMD EPYC Zen 3, 2 threads, cold, alternating in one process: SmolLM2's 120
- * layers 17.9 -> 12.8 ms (24 -> 33 GB/s), its 113 MB lm_head 4.1 -> 2.8 ms, random-26m's
- * layers 4.5 -> 3.6 ms; a single stream's step 23.5-25.0 -> 16.9-20.1 ms. AVX-512 builds keep
+/* A few rows take more panels a group (FEW_ROWS_PANELS: AVX2's 12 sums in registers as 1 row
+ * by 4 panels, 2 by 3, 3 by 2): a panel's 16 outputs are two FMA chains a row (the order of
+ * the sums allows no more), so a step waits on the FMA's latency and the loads run only as far
+ * ahead as the core's window reaches; four panels are four streams and eight chains. AVX2, an AMD EPYC Zen 3, 2 threads, cold, alternating in one process: SmolLM2's 120
+ * layers at 1 row 17.9 -> 12.8 ms (24 -> 33 GB/s), 2 rows 20.4 -> 17.0, 3 rows level, its
+ * 113 MB lm_head 4.1 -> 2.8 ms, random-26m's layers 4.5 -> 3.6 ms; a single stream's step
+ * 23.5-25.0 -> 16.9-20.1 ms. AVX-512 builds keep
  * their 2 panels: not measured there. */
 #ifdef __AVX512F__
-#define ONE_ROW_PANELS PANELS
+#define FEW_ROWS_PANELS(rows) PANELS
+#define MAX_PANELS PANELS
 #else
-#define ONE_ROW_PANELS 4
+#define FEW_ROWS_PANELS(rows) ((rows) < 4 ? 4 - ((rows) > 1) - ((rows) > 2) : PANELS)
+#define MAX_PANELS 4
 #endif
-#define MAX_PANELS (ONE_ROW_PANELS > PANELS ? ONE_ROW_PANELS : PANELS)
 
 /* Where the CPU has AVX-512 BF16, the bfloat16 build takes its inputs in pairs: the rows
  * rounded to bfloat16 once per call (input_t: inputs 2i and 2i + 1, the first in the low
@@ -166,23 +168,20 @@ static inline __attribute__((always_inline)) void tile(
                     lanes[j]);
 }
 
-/* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to PANELS; to ONE_ROW_PANELS for
- * one row), as constants. */
+/* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to FEW_ROWS_PANELS(rows)), as
+ * constants. */
 static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels,
                      const stored_t *w, const float *bias, float *y, int64_t ldy, int64_t k,
                      int64_t block, const int64_t *lanes, const char *pf, int64_t pf_lines,
                      const char *pf2, int64_t pf2_lines) {
-#if ONE_ROW_PANELS > PANELS
-#define ONE_ROW_CASE(P)                                                                     \
-    case P:                                                                                 \
-        tile(x, ldx, 1, P, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);  \
-        return;
-    if (rows == 1) switch (panels) {
-        ONE_ROW_CASE(2)
-        ONE_ROW_CASE(3)
-        ONE_ROW_CASE(4)
+#if MAX_PANELS > PANELS
+#define FEW_CASE(R, P)                                                                      \
+    if (rows == R && panels == P) {                                                         \
+        tile(x, ldx, R, P, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);  \
+        return;                                                                             \
     }
-#undef ONE_ROW_CASE
+    FEW_CASE(1, 4) FEW_CASE(1, 3) FEW_CASE(1, 2) FEW_CASE(2, 3) FEW_CASE(2, 2) FEW_CASE(3, 2)
+#undef FEW_CASE
 #endif
 #define TILE_CASE(R)                                                                        \
     case R:                                                                                 \
@@ -214,13 +213,14 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
 #include "cpu_gemv_amx.h"
 
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
- * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of PANELS panels, and each
- * group's rows in tiles of TILE (its weights read again per tile, from the cache). Returns 0,
- * or -1 where the paired inputs' memory could not be had (y is then undefined). */
+ * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of FEW_ROWS_PANELS(rows)
+ * panels, and each group's rows in tiles of TILE (its weights read again per tile, from the
+ * cache). Returns 0, or -1 where the paired inputs' memory could not be had (y is then
+ * undefined). */
 int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads) {
-    const int64_t group = rows == 1 ? ONE_ROW_PANELS : PANELS;
+    const int64_t group = FEW_ROWS_PANELS(rows);
     const int64_t panels = (n + 15) / 16, groups = (panels + group - 1) / group;
 #if PAIRED
     const int64_t steps = (k + 1) / 2, ldin = steps;

@@ -1,6 +1,6 @@
 """A linear layer's product in ``cpu_gemv.c`` (built by ``kernels.cpu_native``): the weights
 in panels of 16 outputs, each pair of panels streamed once per tile of 8 rows (AVX-512; 6 rows
-of one panel on AVX2, and a lone row four panels at once), on torch's threads.
+of one panel on AVX2, one to three rows four to two panels at once), on torch's threads.
 
 The C function sums in one fixed order, K in blocks of ``block`` inputs (see the source); the
 engine uses it only where that order is oneDNN's many-row one (``engine.cpu_linear`` probes

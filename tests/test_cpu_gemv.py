@@ -28,19 +28,20 @@ def test_gemv_matches_torch(rows: int, in_features: int, out_features: int,
 
 @pytest.mark.parametrize("out_features", [16, 40, 64, 100, 144])  # 1 to 9 panels of 16
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_one_row_has_the_bits_of_a_batch(out_features: int, with_bias: bool) -> None:
-    """A lone row takes the panels in groups of its own (four at once on AVX2: cpu_gemv.c's
-    ONE_ROW_PANELS), yet sums as a row of a batch does: the same bits, whole and partial
-    groups alike."""
+def test_few_rows_have_the_bits_of_a_batch(out_features: int, with_bias: bool) -> None:
+    """One to three rows take the panels in groups of their own (on AVX2 four, three and two
+    at once: cpu_gemv.c's FEW_ROWS_PANELS), yet sum as rows of a batch do: the same bits,
+    whole and partial groups alike."""
     gen = torch.Generator().manual_seed(out_features)
     linear = torch.nn.Linear(1100, out_features, bias=with_bias)
     x = torch.randn(5, 1100, generator=gen)
     panels = cpu_gemv.pack_panels(linear.weight.detach())
     bias = None if linear.bias is None else linear.bias.detach()
     batch = cpu_gemv.gemv(x, panels, bias, out_features, 512)
-    for r in range(5):
-        assert torch.equal(cpu_gemv.gemv(x[r:r + 1], panels, bias, out_features, 512),
-                           batch[r:r + 1])
+    for rows in (1, 2, 3):
+        for r in range(5 - rows + 1):
+            assert torch.equal(cpu_gemv.gemv(x[r:r + rows], panels, bias, out_features, 512),
+                               batch[r:r + rows])
 
 
 def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take() -> None:
