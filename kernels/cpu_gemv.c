@@ -77,14 +77,14 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 #define TILE 6
 #define PANELS 1
 #endif
-/* A few rows take more panels a group (FEW_ROWS_PANELS: AVX2's 12 sums in registers as 1 row
- * by 4 panels, 2 by 3, 3 by 2): a panel's 16 outputs are two FMA chains a row (the order of
- * the sums allows no more), so a step waits on the FMA's latency and the loads run only as far
- * ahead as the core's window reaches; four panels are four streams and eight chains. AVX2, an AMD EPYC Zen 3, 2 threads, cold, alternating in one process: SmolLM2's 120
- * layers at 1 row 17.9 -> 12.8 ms (24 -> 33 GB/s), 2 rows 20.4 -> 17.0, 3 rows level, its
- * 113 MB lm_head 4.1 -> 2.8 ms, random-26m's layers 4.5 -> 3.6 ms; a single stream's step
- * 23.5-25.0 -> 16.9-20.1 ms. AVX-512 builds keep
- * their 2 panels: not measured there. */
+/* A few rows take more panels a group (FEW_ROWS_PANELS: AVX2's 12 sums in registers as 1 row by 4
+ * panels, 2 by 3, 3 by 2): a panel's 16 outputs are two FMA chains a row (the order of the sums
+ * allows no more), so a step waits on the FMA's latency and the loads run only as far ahead as
+ * the core's window reaches; four panels are four streams and eight chains. AVX2, an AMD EPYC Zen
+ * 3, 2 threads, cold, alternating in one process: SmolLM2's 120 layers at 1 row 17.9 -> 12.8 ms
+ * (24 -> 33 GB/s), 2 rows 20.4 -> 17.0, 3 rows level, its 113 MB lm_head 4.1 -> 2.8 ms,
+ * random-26m's layers 4.5 -> 3.6 ms; a single stream's step 23.5-25.0 -> 16.9-20.1 ms. AVX-512
+ * builds keep their 2 panels: not measured there. */
 #ifdef __AVX512F__
 #define FEW_ROWS_PANELS(rows) PANELS
 #define MAX_PANELS PANELS
