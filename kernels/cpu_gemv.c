@@ -89,7 +89,7 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 #define FEW_ROWS_PANELS(rows) PANELS
 #define MAX_PANELS PANELS
 #else
-#define FEW_ROWS_PANELS(rows) ((rows) < 4 ? 4 - ((rows) > 1) - ((rows) > 2) : PANELS)
+#define FEW_ROWS_PANELS(rows) ((rows) == 1 ? 4 : (rows) == 2 ? 3 : (rows) == 3 ? 2 : PANELS)
 #define MAX_PANELS 4
 #endif
 
@@ -256,7 +256,8 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
         for (int64_t j = 0; j < np; j++)
             lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
         /* The next group's weights are asked of the memory while this group's FMAs run, a
-         * line of 64 bytes an input: with 1 tile, both of its panels in that tile; with 2, a
+         * line of 64 bytes an input: with 1 tile, its first two panels in that tile (AVX2's
+         * groups of 3 for 2 rows leave the third to the hardware's prefetch); with 2, a
          * panel in each; from 3 on, all of it in the tiles after the first, which compute on
          * this group's weights from the cache. Without it the memory and the FMAs had taken
          * turns (SmolLM2's 121 layers, cold, 2 threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8
