@@ -18,7 +18,7 @@ import torch
 
 import kernels
 from engine.context import Context
-from engine.cpu_linear import PackedLinear
+from engine.cpu_linear import GEMV_ROWS, PackedLinear
 from engine.models import LlamaForCausalLM
 from kernels import cpu_decode
 
@@ -29,8 +29,9 @@ class CpuDecode:
         self.model = model
         self.step = step
         # decode steps of up to this many sequences run natively: the rows the products take
-        # through cpu_gemv (past them oneDNN, which the C step does not call)
-        self.max_rows = max_rows
+        # through cpu_gemv (past them oneDNN, which the C step does not call), and no more
+        # than GEMV_ROWS where float32 weights take every batch there (a prefill's too)
+        self.max_rows = min(max_rows, GEMV_ROWS)
 
     @classmethod
     def bind(cls, model: LlamaForCausalLM, block_size: int) -> "CpuDecode | None":

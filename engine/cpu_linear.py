@@ -15,6 +15,8 @@ AVX-NE-CONVERT; elsewhere (AVX2) its float32 product of the rounded weights serv
 ``GEMV_ROWS``, at float32's speed and memory for that copy.
 """
 
+import sys
+
 import torch
 from torch import nn
 
@@ -31,6 +33,11 @@ _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe fou
 # behind past them (an AMD EPYC Zen 3, random-26m's 32 layers: 64 rows 31.8 against 34.3 ms,
 # 128 rows 74.7 against 64.6).
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
+# float32 weights on AVX-512: every batch, a prefill's too: past 128 rows cpu_gemv's 6 x 4
+# tiles, the rows split between the threads, lead oneDNN's packed product (SmolLM2's four
+# shapes, 30 layers cold, 2 threads, a Xeon with AMX: 256 rows 307-313 against 288 GFLOP/s,
+# 2,048 rows 320-329 against 304), with its bits (cpu_gemv_many.h).
+F32_ROWS = sys.maxsize if cpu_native.cpu_has("avx512f") else GEMV_ROWS
 ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 # bfloat16 weights where oneDNN has AMX tiles: past a few rows its product leads cpu_gemv's
@@ -71,7 +78,8 @@ class PackedLinear(DirectModule):
                                                               _BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         # up to this many rows through cpu_gemv's panels, where the layer has them
-        self.gemv_rows = (GEMV_ROWS_AMX if self.product_dtype == torch.bfloat16 and AMX
+        self.gemv_rows = (F32_ROWS if weight_dtype == torch.float32
+                          else GEMV_ROWS_AMX if self.product_dtype == torch.bfloat16 and AMX
                           and not cpu_gemv.tiles(self.in_features, weight_dtype)
                           else GEMV_ROWS)
         self.panels: torch.Tensor | None
@@ -125,7 +133,8 @@ class PackedLinear(DirectModule):
         return y if self.bias is None else y.add_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A row's product has the same bits in any batch. Up to ``GEMV_ROWS`` rows go to
+        """A row's product has the same bits in any batch. Up to ``gemv_rows`` rows
+        (``GEMV_ROWS``; any batch of float32 weights on AVX-512, ``F32_ROWS``) go to
         ``cpu_gemv`` where the probe found its block: at one row it streams the weights at 2x
         oneDNN's rate (SmolLM2's layers, 2 threads, an AMD EPYC), and to 64 rows it kept pace
         with oneDNN or led (8 rows: 3.55 against 4.12 ms over SmolLM2's five shapes, a Xeon).

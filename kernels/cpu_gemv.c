@@ -1,5 +1,6 @@
-/* A linear layer's product for decode batches (up to engine/cpu_linear.py's GEMV_ROWS rows),
- * float32, AVX-512 or AVX2 + FMA, on torch's OpenMP threads: compiled at first use by
+/* A linear layer's product for decode batches (up to engine/cpu_linear.py's GEMV_ROWS rows;
+ * any batch, a prefill's too, of float32 weights on AVX-512: cpu_gemv_many.h), float32,
+ * AVX-512 or AVX2 + FMA, on torch's OpenMP threads: compiled at first use by
  * kernels/cpu_native.py, called by engine/cpu_linear.py where a probe at load found its sums
  * equal to oneDNN's many-row ones.
  *
@@ -87,7 +88,7 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
  * builds keep their 2 panels: not measured there. */
 #ifdef __AVX512F__
 #define FEW_ROWS_PANELS(rows) PANELS
-#define MAX_PANELS PANELS
+#define MAX_PANELS 4 /* cpu_gemv_many.h's tiles */
 #else
 #define FEW_ROWS_PANELS(rows) ((rows) == 1 ? 4 : (rows) == 2 ? 3 : (rows) == 3 ? 2 : PANELS)
 #define MAX_PANELS 4
@@ -211,6 +212,7 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
 
 #include "cpu_gemv_chunks.h"
 #include "cpu_gemv_amx.h"
+#include "cpu_gemv_many.h"
 
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of FEW_ROWS_PANELS(rows)
@@ -245,8 +247,9 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
     const int64_t steps = k, ldin = ldx;
     const input_t *in = x;
 #ifdef __AVX512F__
-    if (rows > TILE && rows <= CHUNKED_ROWS)
-        return chunked(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
+    if (rows > CHUNKED_ROWS)
+        return many_rows(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
+    if (rows > TILE) return chunked(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
 #endif
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)

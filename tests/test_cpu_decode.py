@@ -42,7 +42,8 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
     """1 to 12 rows, contexts from one token to several blocks and past the attention's chunk
     of 256 keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the
     modules on the same rows; and each row alone against the modules' batch of ``max_rows`` +
-    6 (past it: its attention's chunks in a row, its products oneDNN's)."""
+    6 (past it: its attention's chunks in a row, its products oneDNN's or, for float32
+    weights on AVX-512, cpu_gemv's many rows)."""
     llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=640)
     runner = llm.engine.model_runner
     assert runner.cpu_decode is not None

@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.cpu_linear import GEMV_ROWS, PackedLinear
+from engine.cpu_linear import F32_ROWS, GEMV_ROWS, PackedLinear
 from engine.cpu_malloc import HugePageArena
 from kernels import cpu_gemv, cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler or AVX2 here")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 17, 70, 130])  # past whole tiles of 4 and 8
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 17, 70, 130, 341])  # past whole tiles
 @pytest.mark.parametrize(("in_features", "out_features"), [(100, 33), (576, 160), (1536, 48)])
 @pytest.mark.parametrize("block", [16, 512, None])
 def test_gemv_matches_torch(rows: int, in_features: int, out_features: int,
@@ -59,18 +59,21 @@ def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take() -> None:
 @pytest.mark.parametrize("in_features", [96, 576, 1536])
 def test_few_rows_have_onednn_many_row_bits(in_features: int) -> None:
     """Where the probe found the block (AVX-512 machines: 512 up to 1,024 inputs, 1,024 past
-    them, measured on an AMD EPYC and a Xeon), decode batches through the C kernel equal the
-    same rows inside a batch of 300 through oneDNN, bit for bit."""
-    layer = PackedLinear(torch.nn.Linear(in_features, 200, bias=False))
+    them, measured on an AMD EPYC and a Xeon), batches through the C kernel equal the same
+    rows inside a batch of 1,000 through oneDNN, bit for bit: decode batches, and on AVX-512
+    a prefill's many rows (past 128: cpu_gemv_many.h), partial tiles and groups included."""
+    layer = PackedLinear(torch.nn.Linear(in_features, 200, bias=True))
     if cpu_native.cpu_has("avx512f"):
         assert layer.panels is not None, "no block made cpu_gemv sum as oneDNN does"
         # one chain up to 512 inputs (the probe tries the whole width first)
         assert layer.block == min(in_features, 512 if in_features <= 1024 else 1024)
-    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(in_features))
-    batch = layer(x)
+        assert layer.gemv_rows == F32_ROWS > 1000
+    x = torch.randn(1000, in_features, generator=torch.Generator().manual_seed(in_features))
+    batch = layer._product(x)
     assert GEMV_ROWS < 300
-    for rows in (1, 2, 3, 4, 8, 13, 64, 100, GEMV_ROWS):  # 9 to 128: chunked (cpu_gemv.c)
-        for start in (0, 7, 300 - rows):
+    # 9 to 128: chunked, past 128 many_rows (cpu_gemv.c)
+    for rows in (1, 2, 3, 4, 8, 13, 64, 100, 129, GEMV_ROWS, 337, 1000):
+        for start in sorted({0, 7, 1000 - rows}):
             assert torch.equal(layer(x[start:start + rows]), batch[start:start + rows])
 
 
