@@ -143,7 +143,7 @@ def run_vllm(path: Path, prompts: list[list[int]],
                                     "max_tokens": args.max_tokens, "threads": args.threads}))
         child = Path(__file__).with_name("beam_vllm.py")
         done = subprocess.run([str(args.vllm_venv / "bin" / "python"), str(child), str(spec),
-                               str(out)], env=env, check=False)
+                               str(out)], env=env, cwd=tmp, check=False)  # see peers.VLLM_CWD
         if done.returncode != 0:  # the other systems' figures still count
             common.log(f"vllm failed (exit {done.returncode}); see its log above")
             return None

@@ -35,6 +35,9 @@ _HERE = Path(__file__).resolve().parent
 
 ROOT = _HERE.parent
 VLLM_PYTHON = Path(os.environ.get("PAGEDQ_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+# vLLM's processes start elsewhere than benchmarks/, whose queue.py would stand in for the
+# standard library's where its subprocesses (-m) put their folder on the path
+VLLM_CWD = tempfile.gettempdir()
 KV_CACHE_GIB = 4
 TCMALLOC = Path("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -93,6 +96,7 @@ def run(system: str, spec: dict[str, Any]) -> dict[str, Any]:
             cmd = [sys.executable, str(_HERE / "peers_child.py"), system]
             env = os.environ | {"LD_PRELOAD": _preload(TCMALLOC)}  # the allocator vLLM gets
         done = subprocess.run([*cmd, str(spec_path), str(out_path)], env=env, check=False,
+                              cwd=VLLM_CWD if system == "vllm" else None,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")

@@ -173,7 +173,7 @@ def serve_vllm(args: argparse.Namespace, path: Path, traces: dict) -> dict[str, 
          "--max-num-batched-tokens", "2048", "--max-model-len", "2048", "--seed", "0",
          "--enable-prefix-caching"],
         env=peers.vllm_env(args.threads) | {"VLLM_LOGGING_LEVEL": "INFO"},
-        stdout=log_file, stderr=subprocess.STDOUT)
+        cwd=peers.VLLM_CWD, stdout=log_file, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
         sync = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
