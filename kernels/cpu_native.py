@@ -5,7 +5,8 @@ from every source:
   body, and ``cpu_attention_tasks.c``, its parallel loops (a decode step's, a prefill's),
   which ``kernels.cpu_ops`` calls;
 - ``cpu_gemv.c``, a linear layer's product for a decode batch (and for a prefill's rows, of
-  float32 weights on AVX-512);
+  float32 weights on AVX-512), with its tiles in ``cpu_gemv_tile.h`` and its ways for 9-128
+  rows and past them in ``cpu_gemv_chunks.h`` and ``cpu_gemv_many.h``;
 - ``cpu_rows.c``, the row-wise ops (RMSNorm, rotary, SiLU-and-mul, the KV store) at every
   batch size;
 - ``cpu_decode.c``, a whole decode step over the others;
@@ -45,7 +46,7 @@ _SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.
             "cpu_decode.c", "cpu_bf16.c")
 _HEADERS = ("cpu_kernels.h", "cpu_attention_ahead.h", "cpu_attention_columns.h",
             "cpu_attention_values.h", "cpu_attention_pairs.h", "cpu_gemv_amx.h",
-            "cpu_gemv_chunks.h", "cpu_gemv_many.h")
+            "cpu_gemv_chunks.h", "cpu_gemv_many.h", "cpu_gemv_tile.h")
 # PAGEDQ_NATIVE_MARCH: another -march than this CPU's (haswell, say: the AVX2 build), to test
 # that build's paths on a machine that has more
 FLAGS = ["-O3", f"-march={os.environ.get('PAGEDQ_NATIVE_MARCH') or 'native'}",

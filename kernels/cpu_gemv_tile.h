@@ -1,0 +1,103 @@
+/* cpu_gemv.c's tiles: a tile's product over one pass of its panels' weights (`tile`), and
+ * the dispatch to its instances by rows and panels (`any_tile`). Included there, after the
+ * vectors' helpers and the tile constants. */
+/* One panel's sums for `rows` rows (sums[r * stride]), plus its bias (or NULL), into the
+ * `lanes` real outputs of y's rows (ldy apart). */
+static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t stride,
+                               int64_t rows, const float *bias, int64_t lanes) {
+    float b[16] = {0};
+    for (int64_t i = 0; bias && i < lanes; i++) b[i] = bias[i];
+    for (int64_t r = 0; r < rows; r++)
+        store16(y + r * ldy, bias ? add16(sums[r * stride], load16(b)) : sums[r * stride], lanes);
+}
+
+/* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
+ * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. Step i also
+ * asks the memory for the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and
+ * pf2_lines (see pagedq_gemv). */
+static inline __attribute__((always_inline)) void tile(
+        const input_t *x, int64_t ldx, const int rows, const int panels, const stored_t *w,
+        const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
+        const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
+        int64_t pf2_lines) {
+    vec16 total[TILE][MAX_PANELS];
+#if PAIRED
+    (void)block;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < panels; j++) total[r][j] = zero16();
+    for (int64_t i = 0; i < k; i++) {
+        __m512i wv[MAX_PANELS];
+        if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+        if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
+        for (int j = 0; j < panels; j++) wv[j] = _mm512_loadu_si512(w + (j * k + i) * 32);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + i]);
+            for (int j = 0; j < panels; j++)
+                total[r][j] = _mm512_dpbf16_ps(total[r][j], pair, (__m512bh)wv[j]);
+        }
+    }
+#else
+    vec16 part[TILE][MAX_PANELS];
+    for (int64_t k0 = 0; k0 < k; k0 += block) {
+        const int64_t k1 = k0 + block < k ? k0 + block : k;
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < panels; j++) part[r][j] = zero16();
+        for (int64_t i = k0; i < k1; i++) {
+            vec16 wv[MAX_PANELS];
+            if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+            if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
+            for (int j = 0; j < panels; j++) wv[j] = load16_w(w + j * k * 16 + i * 16);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < panels; j++)
+                    part[r][j] = fma16(x[r * ldx + i], wv[j], part[r][j]);
+        }
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < panels; j++)
+                total[r][j] = k0 == 0 ? part[r][j] : add16(total[r][j], part[r][j]);
+    }
+#endif
+    for (int j = 0; j < panels; j++)
+        store_panel(y + j * 16, ldy, &total[0][j], MAX_PANELS, rows, bias ? bias + j * 16 : 0,
+                    lanes[j]);
+}
+
+/* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to FEW_ROWS_PANELS(rows)), as
+ * constants. */
+static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels,
+                     const stored_t *w, const float *bias, float *y, int64_t ldy, int64_t k,
+                     int64_t block, const int64_t *lanes, const char *pf, int64_t pf_lines,
+                     const char *pf2, int64_t pf2_lines) {
+#ifndef __AVX512F__ /* FEW_ROWS_PANELS past PANELS */
+#define FEW_CASE(R, P)                                                                      \
+    if (rows == R && panels == P) {                                                         \
+        tile(x, ldx, R, P, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);  \
+        return;                                                                             \
+    }
+    FEW_CASE(1, 4) FEW_CASE(1, 3) FEW_CASE(1, 2) FEW_CASE(2, 3) FEW_CASE(2, 2) FEW_CASE(3, 2)
+#undef FEW_CASE
+#endif
+#define TILE_CASE(R)                                                                        \
+    case R:                                                                                 \
+        if (panels == PANELS)                                                               \
+            tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,    \
+                 pf2_lines);                                                                \
+        else                                                                                \
+            tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,         \
+                 pf2_lines);                                                                \
+        break;
+    switch (rows) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+#if TILE > 4
+        TILE_CASE(4)
+        TILE_CASE(5)
+#endif
+#if TILE > 6
+        TILE_CASE(6)
+        TILE_CASE(7)
+#endif
+        default: TILE_CASE(TILE)
+    }
+#undef TILE_CASE
+}
