@@ -153,7 +153,8 @@ def start_worker(url: str, path: Path, threads: int, dtype: str) -> subprocess.P
         [sys.executable, "-m", "worker", "--redis-url", url, "--queue", "single",
          "--model", str(path), "--device", "cpu", "--dtype", dtype,
          "--num-kv-blocks", str(NUM_KV_BLOCKS), "--threads", str(threads)],
-        stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
+        stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        cwd=_HERE.parent)  # from benchmarks/, queue.py would stand in for the stdlib's
 
 
 def main(argv: list[str] | None = None) -> None:
