@@ -90,8 +90,8 @@ class PackedLinear(DirectModule):
                                        if cpu_gemv.available() else (None, 0))
             return
         probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
-        many_rows = self._product(probe)
-        self.pad_single_row = not torch.equal(self._product(probe[:1]), many_rows[:1])
+        many_rows = self.onednn_product(probe)
+        self.pad_single_row = not torch.equal(self.onednn_product(probe[:1]), many_rows[:1])
         self.panels, self.block = self._find_gemv(linear, probe, many_rows)
 
     def _find_gemv(self, linear: nn.Linear, probe: torch.Tensor,
@@ -116,7 +116,9 @@ class PackedLinear(DirectModule):
                 return panels, block
         return None, 0
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s product through oneDNN's packed weights, whatever the rows: what ``forward``
+        takes past ``gemv_rows``, and the sums ``cpu_gemv``'s are held to."""
         if self.product_dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         rows = x.shape[0] if x.dim() == 2 else 0
@@ -147,8 +149,8 @@ class PackedLinear(DirectModule):
                 and x.stride(1) == 1):
             return cpu_gemv.gemv(x, self.panels, self.bias, self.out_features, self.block)
         if self.pad_single_row and x.shape[0] == 1 and x.dim() == 2:
-            return self._product(x.expand(2, -1).contiguous())[:1]
-        return self._product(x)
+            return self.onednn_product(x.expand(2, -1).contiguous())[:1]
+        return self.onednn_product(x)
 
 
 def pack_linears(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> None:

@@ -88,11 +88,11 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
  * builds keep their 2 panels: not measured there. */
 #ifdef __AVX512F__
 #define FEW_ROWS_PANELS(rows) PANELS
-#define MAX_PANELS 4 /* cpu_gemv_many.h's tiles */
 #else
 #define FEW_ROWS_PANELS(rows) ((rows) == 1 ? 4 : (rows) == 2 ? 3 : (rows) == 3 ? 2 : PANELS)
-#define MAX_PANELS 4
 #endif
+/* the most panels a tile takes: AVX2's one row, AVX-512's many rows (cpu_gemv_many.h) */
+#define MAX_PANELS 4
 
 /* Where the CPU has AVX-512 BF16, the bfloat16 build takes its inputs in pairs: the rows
  * rounded to bfloat16 once per call (input_t: inputs 2i and 2i + 1, the first in the low

@@ -52,8 +52,8 @@ static int many_rows(const float *x, int64_t ldx, int64_t rows, const stored_t *
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t part = 0; part < threads; part++) {
         const int64_t begin = tiles * part / threads * MANY_TILE;
-        const int64_t end = tiles * (part + 1) / threads * MANY_TILE < rows
-            ? tiles * (part + 1) / threads * MANY_TILE : rows;
+        const int64_t last = tiles * (part + 1) / threads * MANY_TILE;  /* past its last tile */
+        const int64_t end = last < rows ? last : rows;
         for (int64_t r0 = begin; r0 < end; r0 += MANY_BLOCK) {
             const int64_t r1 = end - r0 < MANY_BLOCK ? end : r0 + MANY_BLOCK;
             for (int64_t g = 0; g < groups; g++) {

@@ -69,7 +69,7 @@ def test_few_rows_have_onednn_many_row_bits(in_features: int) -> None:
         assert layer.block == min(in_features, 512 if in_features <= 1024 else 1024)
         assert layer.gemv_rows == F32_ROWS > 1000
     x = torch.randn(1000, in_features, generator=torch.Generator().manual_seed(in_features))
-    batch = layer._product(x)
+    batch = layer.onednn_product(x)
     assert GEMV_ROWS < 300
     # 9 to 128: chunked, past 128 many_rows (cpu_gemv.c)
     for rows in (1, 2, 3, 4, 8, 13, 64, 100, 129, GEMV_ROWS, 337, 1000):
