@@ -21,6 +21,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, SampleDelta
 from engine.quantization import checkpoint_quantization
 from engine.request import Limits, Request, Resume, check_beam, prompt_ids
+from engine.sampled import Sampled
 from engine.sampler import Sampler, skip_draws
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from engine.scheduler import Scheduler
@@ -83,7 +84,8 @@ class LLMEngine:
                  **({"cpu_attention": self.model_runner.attention_body}
                     if self.model_runner.attention_body else {}),
                  **({"cpu_linear_rows": self.model_runner.linear_rows,
-                     "cpu_decode": "native" if self.model_runner.cpu_decode else "modules"}
+                     "cpu_decode": "native" if self.model_runner.cpu_decode else "modules",
+                     "greedy_head": self.model_runner.greedy_head is not None}
                     if self.model_runner.linear_rows else {}))
 
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -198,11 +200,16 @@ class LLMEngine:
         if not batch.seqs:
             return None
         prev = after.sampled.tokens if after is not None and after.sampled else None
-        sampled, logits = self.model_runner.run(batch, prev)
+        sampled, hidden = self.model_runner.run(batch, prev)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
             if after is None:
                 self.block_manager.register_computed(seq)
+        if sampled and self.sampler.argmax_only(sampled):
+            tokens = self.model_runner.greedy_tokens(hidden)
+            if tokens is not None:  # no logits computed: nothing reads them
+                return Launched(batch.seqs, Sampled(tokens, None, sampled), [])
+        logits = self.model_runner.logits(hidden)
         sampled, logits, results = self.beam_search.step(sampled, logits)
         for delta in results:
             del self.requests[delta.request_id]

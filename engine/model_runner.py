@@ -14,6 +14,7 @@ from engine.cpu_decode import CpuDecode
 from engine.cpu_linear import few_rows_path
 from engine.cpu_malloc import keep_freed_memory, reserved_in_huge_pages
 from engine.cuda_graph import DecodeGraphs
+from engine.greedy_head import GreedyHead
 from engine.kv_cache import bind_kv_cache, kv_cache_torch_dtype
 from engine.loader import load_model, read_kv_scales
 from engine.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class ModelRunner:
         # decode steps (up to CpuDecode.max_rows sequences) as one native call on the CPU,
         # where it binds
         self.cpu_decode = CpuDecode.bind(self.model, block_size) if device.type == "cpu" else None
+        # greedy steps' tokens from a bfloat16 copy of the output layer and a bound, where it
+        # binds (float32 panels on the CPU)
+        self.greedy_head = GreedyHead.bind(self.model) if device.type == "cpu" else None
         self.graphs = None
         if cuda_graph_max_batch > 0 and device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, cuda_graph_max_batch,
@@ -208,17 +212,28 @@ class ModelRunner:
     def run(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None = None
             ) -> tuple[list[Sequence], torch.Tensor]:
         """Computes the batch's KV and returns the sequences that sample this step with their
-        float32 logits ``[len(seqs), vocab]``. ``prev_tokens``: the previous step's sampled
-        tokens, still on the device, where sequences' last tokens are pending
-        (``Sequence.pending_row``)."""
+        final hidden states ``[len(seqs), hidden]``, for ``logits`` or ``greedy_tokens``.
+        ``prev_tokens``: the previous step's sampled tokens, still on the device, where
+        sequences' last tokens are pending (``Sequence.pending_row``)."""
         if batch.copies:
             kernels.copy_blocks(list(self.kv_cache.flatten(0, 1)),  # every layer's K and V
                                 self._tensor(batch.copies, torch.int64))
         step, sample_seqs = self._gather(batch)
         hidden = self._forward(step, prev_tokens)
-        if not sample_seqs:
-            return [], hidden.new_empty(0, 0, dtype=torch.float32)
-        return sample_seqs, self.model.compute_logits(hidden).float()
+        return sample_seqs, hidden if sample_seqs else hidden[:0]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits ``[rows, vocab]`` of ``run``'s hidden states (none: ``[0, 0]``)."""
+        if not hidden.shape[0]:  # the products take no empty batch
+            return hidden.new_empty(0, 0, dtype=torch.float32)
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``kernels.argmax(self.logits(hidden))``, computed without them where the greedy head
+        binds (``engine.greedy_head``); else None."""
+        return None if self.greedy_head is None else self.greedy_head.tokens(hidden)
 
 
 def fit_kv_blocks(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,

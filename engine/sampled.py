@@ -23,11 +23,15 @@ class Sampled:
     copied to pinned host memory (on CUDA): ``read`` waits for this step's copies only, not
     for whatever the stream was given after them (the next step, under async scheduling)."""
 
-    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor | None,
+                 seqs: list[Sequence]) -> None:
+        """``logits``: None where no row asks for logprobs (a greedy head's tokens)."""
         self.tokens, self.seqs = tokens, seqs
         self.wanted = [(i, n) for i, s in enumerate(seqs) if (n := s.params.logprobs) is not None]
         parts = [tokens]
         if self.wanted:
+            if logits is None:
+                raise ValueError("logprobs asked for without the logits")
             rows = rows_on([i for i, _ in self.wanted], tokens.device)
             lp = torch.log_softmax(logits[rows], dim=-1)
             top_v, top_i = lp.topk(min(max(n for _, n in self.wanted), lp.shape[1]), dim=-1)

@@ -5,6 +5,8 @@ row's uniform number is a Python loop, because a seeded row must draw from its o
 so that its tokens never depend on the rest of the batch.
 """
 
+import sys
+
 import torch
 
 import kernels
@@ -152,13 +154,25 @@ class Sampler:
             tokens[index] = self._draw(logits[index], [seqs[i] for i in rows])
         return Sampled(tokens, logits, seqs)
 
+    def argmax_only(self, seqs: list[Sequence]) -> bool:
+        """Whether each row's token is the argmax of its raw logits and nothing else reads
+        them: greedy, no logprobs, no penalties, no min_tokens mask, not a beam's, no samples
+        to fork from it."""
+        return all(s.params.greedy and s.params.logprobs is None and not s.params.penalized
+                   and s.group is None and not s.pending_forks
+                   for s in seqs) and not self._min_tokens_cells(seqs, sys.maxsize)
+
+    def _min_tokens_cells(self, seqs: list[Sequence], vocab: int) -> list[tuple[int, int]]:
+        """Under min_tokens, every token that would stop the sequence (as vLLM: the
+        stop_token_ids, and eos unless ignore_eos makes it an ordinary token): (row, id)."""
+        return [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
+                for t in s.params.stop_token_ids + ([] if s.params.ignore_eos
+                                                    else self.eos_token_ids)
+                if t < vocab]
+
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Under min_tokens, forbid every token that would stop the sequence (as vLLM: the
-        stop_token_ids, and eos unless ignore_eos makes it an ordinary token)."""
-        cells = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
-                 for t in s.params.stop_token_ids + ([] if s.params.ignore_eos
-                                                     else self.eos_token_ids)
-                 if t < logits.shape[1]]
+        """Forbids ``_min_tokens_cells``."""
+        cells = self._min_tokens_cells(seqs, logits.shape[1])
         if not cells:
             return logits
         logits = logits.clone()

@@ -1,0 +1,136 @@
+/* A greedy step's tokens without the float32 output layer: approximate logits from a bfloat16
+ * copy of its weights (half the bytes, AMX's or AVX-512 BF16's rate), a proven bound on how
+ * far each can be from the float32 logit, and the float32 logits of the few tokens the bound
+ * cannot rule out, computed in cpu_gemv.c's order, so that they have the bits of the float32
+ * layer in any batch. Compiled at first use by kernels/cpu_native.py; called by
+ * kernels/cpu_greedy.py, which states the bound.
+ *
+ * Why: the output layer (SmolLM2's 49,152 x 576) was the largest product of a decode step: at
+ * 32 rows 7.2 ms of float32 against 2.9 for the bfloat16 copy, at one row 4.1 against 2.6 (a
+ * Xeon with AMX, 2 threads, cold). A greedy token is the argmax, which needs the exact value
+ * only of the tokens within the bound of the best (2 a row at the median, 10 at most, on
+ * SmolLM2's states of random prompts). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#define SMALLEST_NORMAL 1.17549435e-38f
+
+/* ||x - x'||: x' the inputs as the bfloat16 product takes them (rounded to nearest even, and
+ * an input whose bfloat16 is below float's normal range counted whole: the instructions take
+ * such inputs as zero) */
+static double rounding_norm(const float *x, int64_t k) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < k; i++) {
+        const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
+        float rounded;
+        memcpy(&rounded, &bits, sizeof rounded);
+        const double d = fabsf(rounded) < SMALLEST_NORMAL ? fabsf(x[i]) : fabsf(x[i] - rounded);
+        sum += d * d;
+    }
+    return sqrt(sum);
+}
+
+/* Output j of x times the float32 weights in cpu_gemv.c's order: K in blocks of `block`
+ * inputs, each an FMA chain from zero in input order, the blocks' sums added in order (the
+ * layer has no bias). Weight (j, i) at w[j / 16 * strides[0] + j % 16 * strides[1] + i *
+ * strides[2]]: the panels [vocab / 16][k][16], or rows [vocab][k] (a tied embedding's, which
+ * a token reads as 2 KB in a run where a panel's column spans a line an input). */
+static float exact_logit(const float *x, const float *w, const int64_t *strides, int64_t k,
+                         int64_t block, int64_t j) {
+    const float *wj = w + j / 16 * strides[0] + j % 16 * strides[1];
+    const int64_t step = strides[2];
+    float total = 0.0f;
+    for (int64_t k0 = 0; k0 < k; k0 += block) {
+        const int64_t k1 = k0 + block < k ? k0 + block : k;
+        float part = 0.0f;
+        for (int64_t i = k0; i < k1; i++) part = fmaf(x[i], wj[i * step], part);
+        total = k0 == 0 ? part : total + part;
+    }
+    return total;
+}
+
+/* A token's bound, widened by far more than the float arithmetic computing it can be off (its
+ * products and sums, 1e-3 of it; the approximate logit's rounding in the comparisons, 2^-20 of
+ * it) */
+static inline float bound(float a, float p, float q, float nx, float nd) {
+    return (nx * p + nd * q) * 1.001f + fabsf(a) * 0x1p-20f + 1e-30f;
+}
+
+/* Row r's token: tokens[r] = the lowest id of the highest float32 logit, or -1 where the
+ * approximation cannot settle it here (a non-finite value, more than max_candidates tokens
+ * within the bound). approx [rows][vocab] (row stride ld_approx): the bfloat16 copy's
+ * products; w and strides: the float32 weights (exact_logit); p and q [vocab]: the float32 logit of token j is within |x| * p[j] + |x - x'| *
+ * q[j] of its approximation (x' as rounding_norm; `rounded` says whether the bfloat16 product
+ * rounds its inputs; kernels/cpu_greedy.py derives p and q), p_max and q_max their highest.
+ *
+ * The float32 logit of the approximation's best is a lower bound of the highest; a token
+ * whose upper bound is below the best float32 logit found so far cannot be the argmax, nor
+ * tie it, and only the others' float32 logits are computed. Two passes over the row: its
+ * highest, lowest and NaNs; then each token against the best so far less the widest bound,
+ * and the few that pass against their own. */
+void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *approx,
+                   int64_t ld_approx, int64_t vocab, const float *w, const int64_t *strides, int64_t k,
+                   int64_t block, const float *p, const float *q, float p_max, float q_max,
+                   int64_t rounded, int64_t max_candidates, int64_t *tokens, int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx, *a = approx + r * ld_approx;
+        double norm = 0.0;
+        for (int64_t i = 0; i < k; i++) norm += (double)xr[i] * xr[i];
+        const float nx = (float)(sqrt(norm) * (1.0 + 1e-6));
+        const float nd = rounded ? (float)(rounding_norm(xr, k) * (1.0 + 1e-6)) : 0.0f;
+        tokens[r] = -1;
+        const int64_t whole = vocab / 8 * 8;
+        __m256 high8 = _mm256_set1_ps(-INFINITY), low8 = _mm256_set1_ps(INFINITY);
+        __m256 nan8 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < whole; j += 8) {
+            const __m256 av = _mm256_loadu_ps(a + j);
+            high8 = _mm256_max_ps(high8, av);
+            low8 = _mm256_min_ps(low8, av);
+            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(av, av, _CMP_UNORD_Q));
+        }
+        float lanes[8], high = -INFINITY, low = INFINITY;
+        int nan = _mm256_movemask_ps(nan8) != 0;
+        _mm256_storeu_ps(lanes, high8);
+        for (int i = 0; i < 8; i++) high = lanes[i] > high ? lanes[i] : high;
+        _mm256_storeu_ps(lanes, low8);
+        for (int i = 0; i < 8; i++) low = lanes[i] < low ? lanes[i] : low;
+        for (int64_t j = whole; j < vocab; j++) {
+            nan |= isnan(a[j]);
+            high = a[j] > high ? a[j] : high;
+            low = a[j] < low ? a[j] : low;
+        }
+        if (nan || !isfinite(high) || !isfinite(low) || !isfinite(nx) || !isfinite(nd))
+            continue;
+        int64_t best = 0;
+        while (a[best] != high) best++;
+        float top = exact_logit(xr, w, strides, k, block, best);
+        /* no token's bound exceeds this */
+        const float widest = bound(fabsf(high) > fabsf(low) ? high : low, p_max, q_max, nx, nd);
+        int64_t seen = 1;
+        for (int64_t j = 0; j < vocab && seen <= max_candidates && isfinite(top); j += 8) {
+            int mask;
+            if (j + 8 <= vocab) {
+                mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + j),
+                                                        _mm256_set1_ps(top - widest),
+                                                        _CMP_GE_OQ));
+            } else {
+                mask = 0;
+                for (int i = 0; j + i < vocab; i++) mask |= (a[j + i] >= top - widest) << i;
+            }
+            for (; mask; mask &= mask - 1) {
+                const int64_t id = j + __builtin_ctz((unsigned)mask);
+                if (id == best || a[id] + bound(a[id], p[id], q[id], nx, nd) < top) continue;
+                const float logit = exact_logit(xr, w, strides, k, block, id);
+                seen++;
+                if (logit > top || (logit == top && id < best)) top = logit, best = id;
+            }
+        }
+        tokens[r] = seen <= max_candidates && isfinite(top) ? best : -1;
+    }
+}
