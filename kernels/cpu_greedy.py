@@ -23,6 +23,7 @@ from kernels import cpu_gemv, cpu_native
 
 # more tokens than this within the bound of a row's best: its float32 logits are cheaper whole
 MAX_CANDIDATES = 64
+_ROWS = 4096  # vocabulary rows a slice when the bound's terms are computed
 
 
 def available() -> bool:
@@ -63,12 +64,15 @@ def prepare(weight: torch.Tensor, exact: torch.Tensor, block: int) -> GreedyWeig
     vocab, hidden = weight.shape
     hi = weight.to(torch.bfloat16)
     hi = torch.where(hi.float().abs() < torch.finfo(torch.float32).tiny, 0, hi)
-    wide = weight.double()
-    lo, hi_wide = wide - hi.double(), hi.double()  # exact: float32 minus its bfloat16 rounding
     n = hidden + 16
     g = n * 2.0**-24 / (1 - n * 2.0**-24)
-    p = _rounded_up(lo.norm(dim=1) + g * (wide.norm(dim=1) + hi_wide.norm(dim=1)))
-    q = _rounded_up(hi_wide.norm(dim=1) * (1 + g))
+    p, q = torch.empty(vocab, dtype=torch.float64), torch.empty(vocab, dtype=torch.float64)
+    for start in range(0, vocab, _ROWS):  # float64 a slice at a time: no 3 x 226 MB at once
+        wide, hi_wide = weight[start:start + _ROWS].double(), hi[start:start + _ROWS].double()
+        lo = wide - hi_wide  # exact: float32 minus its bfloat16 rounding
+        p[start:start + _ROWS] = lo.norm(dim=1) + g * (wide.norm(dim=1) + hi_wide.norm(dim=1))
+        q[start:start + _ROWS] = hi_wide.norm(dim=1) * (1 + g)
+    p, q = _rounded_up(p), _rounded_up(q)
     return GreedyWeights(cpu_gemv.pack_panels(hi), p, q, float(p.max()), float(q.max()),
                          exact, block)
 
