@@ -64,9 +64,10 @@ static inline float bound(float a, float p, float q, float nx, float nd) {
 /* Row r's token: tokens[r] = the lowest id of the highest float32 logit, or -1 where the
  * approximation cannot settle it here (a non-finite value, more than max_candidates tokens
  * within the bound). approx [rows][vocab] (row stride ld_approx): the bfloat16 copy's
- * products; w and strides: the float32 weights (exact_logit); p and q [vocab]: the float32 logit of token j is within |x| * p[j] + |x - x'| *
- * q[j] of its approximation (x' as rounding_norm; `rounded` says whether the bfloat16 product
- * rounds its inputs; kernels/cpu_greedy.py derives p and q), p_max and q_max their highest.
+ * products; w and strides: the float32 weights (exact_logit); p and q [vocab]: the float32
+ * logit of token j is within |x| * p[j] + |x - x'| * q[j] of its approximation (x' as
+ * rounding_norm; `rounded` says whether the bfloat16 product rounds its inputs;
+ * kernels/cpu_greedy.py derives p and q), p_max and q_max their highest.
  *
  * The float32 logit of the approximation's best is a lower bound of the highest; a token
  * whose upper bound is below the best float32 logit found so far cannot be the argmax, nor
@@ -74,9 +75,10 @@ static inline float bound(float a, float p, float q, float nx, float nd) {
  * highest, lowest and NaNs; then each token against the best so far less the widest bound,
  * and the few that pass against their own. */
 void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *approx,
-                   int64_t ld_approx, int64_t vocab, const float *w, const int64_t *strides, int64_t k,
-                   int64_t block, const float *p, const float *q, float p_max, float q_max,
-                   int64_t rounded, int64_t max_candidates, int64_t *tokens, int64_t threads) {
+                   int64_t ld_approx, int64_t vocab, const float *w, const int64_t *strides,
+                   int64_t k, int64_t block, const float *p, const float *q, float p_max,
+                   float q_max, int64_t rounded, int64_t max_candidates, int64_t *tokens,
+                   int64_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx, *a = approx + r * ld_approx;
@@ -127,7 +129,7 @@ void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *appro
                 const int64_t id = j + __builtin_ctz((unsigned)mask);
                 if (id == best || a[id] + bound(a[id], p[id], q[id], nx, nd) < top) continue;
                 const float logit = exact_logit(xr, w, strides, k, block, id);
-                seen++;
+                seen = isfinite(logit) ? seen + 1 : max_candidates + 1;
                 if (logit > top || (logit == top && id < best)) top = logit, best = id;
             }
         }
