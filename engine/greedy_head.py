@@ -50,4 +50,3 @@ class GreedyHead:
         if unsettled.numel():  # float32 logits of those rows: their bits in any batch
             tokens[unsettled] = kernels.argmax(self.lm_head(hidden[unsettled].contiguous()))
         return tokens
-

@@ -16,6 +16,7 @@ weights as zero, and the C side counts such inputs whole in ``|x - x'|``.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -50,8 +51,10 @@ class GreedyWeights:
     def vocab(self) -> int:
         return self.p.shape[0]
 
+    @cached_property
     def strides(self) -> torch.Tensor:
-        """Where weight (j, i) lies in ``exact``: j // 16, j % 16 and i's strides"""
+        """Where weight (j, i) lies in ``exact``: j // 16, j % 16 and i's strides (built once:
+        every step's call passes it)"""
         if self.exact.dim() == 3:  # panels [vocab / 16, hidden, 16]
             strides = [self.exact.stride(0), 1, cpu_gemv.PANEL]
         else:
@@ -94,9 +97,8 @@ def tokens(x: torch.Tensor, weights: GreedyWeights) -> torch.Tensor:
     x = x.contiguous()
     approx = cpu_gemv.gemv(x, weights.panels, None, weights.vocab, hidden)
     out = torch.empty(rows, dtype=torch.int64)
-    strides = weights.strides()
     function(x.data_ptr(), hidden, rows, approx.data_ptr(), weights.vocab, weights.vocab,
-             weights.exact.data_ptr(), strides.data_ptr(), hidden, weights.block,
+             weights.exact.data_ptr(), weights.strides.data_ptr(), hidden, weights.block,
              weights.p.data_ptr(), weights.q.data_ptr(), weights.p_max, weights.q_max,
              int(cpu_gemv.paired()), MAX_CANDIDATES, out.data_ptr(), torch.get_num_threads())
     return out
