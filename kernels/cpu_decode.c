@@ -25,14 +25,12 @@ enum { LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, QKV_
 enum { INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE,
        NUM_TENSORS };
 
-/* x [rows][hidden]: the tokens' embeddings in, the final norm's output out. positions and
- * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
- * included). Returns 0, or -1 where scratch memory could not be had (x is then undefined). */
-int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
-                        const float *final_norm, const float *cos, const float *sin, float eps,
-                        float scale, float *x, int64_t rows, const int64_t *positions,
-                        const int64_t *slots, const int32_t *tables, int64_t table_stride,
-                        const int32_t *context_lens, int64_t threads) {
+/* Every layer and the final norm for `rows` rows on `threads` threads (see pagedq_decode). */
+static int decode_rows(const int64_t *dims, const void *const *layers, const float *final_norm,
+                       const float *cos, const float *sin, float eps, float scale, float *x,
+                       int64_t rows, const int64_t *positions, const int64_t *slots,
+                       const int32_t *tables, int64_t table_stride, const int32_t *context_lens,
+                       int64_t threads) {
     const int64_t hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int64_t head_dim = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -81,4 +79,73 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
 fail:
     free(buffer);
     return -1;
+}
+
+/* Where to cut `rows` into `threads` shares of about equal work (cuts[0] = 0 ... cuts[threads]
+ * = rows): a row costs its products (2 FLOPs a weight at ~100 GFLOP/s a core) and its
+ * attention (K and V of each of its keys at ~25 GB/s a core), in nanoseconds a layer. */
+static void cut_rows(const int64_t *dims, const int32_t *context_lens, int64_t rows,
+                     int64_t threads, int64_t *cuts) {
+    const int64_t hidden = dims[HIDDEN], q_size = dims[HEADS] * dims[HEAD_DIM];
+    const int64_t kv_size = dims[KV_HEADS] * dims[HEAD_DIM];
+    const double weights = (double)hidden * (double)(2 * q_size + 2 * kv_size) +
+                           3.0 * (double)hidden * (double)dims[INTERMEDIATE];
+    const double row_cost = weights * 2 / 100.0, key_cost = (double)kv_size * 8 / 25.0;
+    double total = 0, done = 0;
+    for (int64_t r = 0; r < rows; r++) total += row_cost + key_cost * context_lens[r];
+    int64_t r = 0;
+    cuts[0] = 0;
+    for (int64_t share = 1; share < threads; share++) {
+        /* at least a row a share: rows >= threads where this is called */
+        while (r < rows - (threads - share) &&
+               (r < cuts[share - 1] + 1 ||
+                done + 0.5 * (row_cost + key_cost * context_lens[r]) < total * share / threads))
+            done += row_cost + key_cost * context_lens[r++];
+        cuts[share] = r;
+    }
+    cuts[threads] = rows;
+}
+
+/* x [rows][hidden]: the tokens' embeddings in, the final norm's output out. positions and
+ * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
+ * included). From split_rows rows on (0: never), each thread runs the whole step on its own
+ * share of the rows, alone, with no barrier between the threads; below them every product and
+ * attention is split between the threads. Returns 0, or -1 where scratch memory could not be
+ * had (x is then undefined).
+ *
+ * Why split the rows: with every kernel split, both cores stream the attention's keys at once
+ * and then both compute the products, so the memory idles while the FMAs work and the two
+ * threads share its bandwidth when they read. A thread alone keeps most of it on an AMD EPYC
+ * (a 1 GiB sum: 25.3 GB/s on one core of a Zen 4, 31.8 on two), so threads that run apart
+ * overlap one's keys with the other's products; each reads the weights itself, the second
+ * mostly from the shared L3. Zen 4, 2 threads, float32, a step's median: SmolLM2 at 32 rows
+ * of ~192 keys 49.8 -> 47.2 ms, 64 rows of ~340 keys 121.5 -> 110.3, 128 rows 242.1 -> 231.6;
+ * random-26m at 128 rows of ~340 keys 66.9 -> 63.8; but 16 rows 24.3 -> 27.6 and 8 rows 19.0
+ * -> 22.0 (the weights, read by each thread, are then what bounds the step). A Xeon (session
+ * 29; one core reads far less of the machine's bandwidth there) lost at 16 and 32 rows and
+ * drew level at 64: engine/cpu_decode.py asks for the split on AMD's cores only. */
+int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
+                        const float *final_norm, const float *cos, const float *sin, float eps,
+                        float scale, float *x, int64_t rows, const int64_t *positions,
+                        const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                        const int32_t *context_lens, int64_t threads, int64_t split_rows) {
+    if (threads < 2 || split_rows <= 0 || rows < split_rows || rows < threads)
+        return decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x, rows, positions,
+                           slots, tables, table_stride, context_lens, threads);
+    int64_t *cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));
+    if (!cuts) return -1;
+    cut_rows(dims, context_lens, rows, threads, cuts);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int64_t share = 0; share < threads; share++) {
+        const int64_t r0 = cuts[share];
+        if (decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x + r0 * dims[HIDDEN],
+                        cuts[share + 1] - r0, positions + r0, slots + r0,
+                        tables + r0 * table_stride, table_stride, context_lens + r0, 1) != 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    free(cuts);
+    return failed ? -1 : 0;
 }

@@ -30,11 +30,12 @@ class DecodeStep:
     and V pools ``[blocks, block_size, kv_heads, head_dim]``, contiguous, held here for as
     long as the step lives; the panels and pools (``STORED``) all float32 or all bfloat16
     (``cpu_bf16.c``'s build), the rest float32. ``cos`` and ``sin``: the rotary tables
-    ``[positions, head_dim]``."""
+    ``[positions, head_dim]``. ``split_rows``: from this many rows on (0: never) each thread
+    runs the whole step on its own share of the rows (``cpu_decode.c`` says when that pays)."""
 
     def __init__(self, dims: dict[str, int], layers: list[dict[str, torch.Tensor | None]],
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                 scale: float) -> None:
+                 scale: float, split_rows: int = 0) -> None:
         qkv = layers[0].get("qkv") if layers else None
         stored = torch.float32 if qkv is None else qkv.dtype
         function = cpu_native.typed("pagedq_decode", stored)
@@ -63,6 +64,7 @@ class DecodeStep:
         self._layers = torch.tensor(pointers, dtype=torch.int64)
         self._final_norm, self._cos, self._sin = final_norm, cos, sin
         self._eps, self._scale = eps, scale
+        self.split_rows = split_rows
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,7 @@ class DecodeStep:
             self._dims.data_ptr(), self._layers.data_ptr(), self._final_norm.data_ptr(),
             self._cos.data_ptr(), self._sin.data_ptr(), self._eps, self._scale, x.data_ptr(),
             rows, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), torch.get_num_threads())
+            lens.data_ptr(), torch.get_num_threads(), self.split_rows)
         if failed:
             raise MemoryError("the decode step could not allocate its scratch memory")
         return x

@@ -65,7 +65,8 @@ def _cpuinfo(field: str) -> str:
                  if ln.startswith(field)), "")
 
 
-if _cpuinfo("vendor_id") == "GenuineIntel":  # the attention's prefetch differs (cpu_attention.c)
+VENDOR = _cpuinfo("vendor_id")  # GenuineIntel, AuthenticAMD
+if VENDOR == "GenuineIntel":  # the attention's prefetch differs (cpu_attention.c)
     FLAGS.append("-DPAGEDQ_INTEL")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # each function's argument types and result (the C sources give their meaning)
@@ -79,7 +80,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_silu_and_mul": ([_P, _P, _I, _I, _I], None),
     "pagedq_argmax": ([_P, _I, _I, _I, _P, _I], None),
     "pagedq_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I], None),
-    "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I], ctypes.c_int),
+    "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I, _I], ctypes.c_int),
     "pagedq_greedy": ([_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _P, _F, _F, _I, _I, _P, _I],
                       None),
     "pagedq_bf16_paired": ([], ctypes.c_int),

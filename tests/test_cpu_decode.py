@@ -76,6 +76,37 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
             assert torch.equal(got[0], crowd[i]), i
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_split_between_threads_keep_their_bits(threads: int, tiny_llama: Path,
+                                                    make_llm: Callable[..., LLM]) -> None:
+    """Each thread running the whole step on its share of the rows (``split_rows``, on AMD's
+    cores from 32 rows) gives every row the bits and the KV the modules give, shares cut
+    unevenly by long and short contexts; and below ``split_rows`` the step is not split."""
+    llm = make_llm(tiny_llama, block_size=BLOCK, num_kv_blocks=640)
+    runner = llm.engine.model_runner
+    step = runner.cpu_decode.step
+    gen = torch.Generator().manual_seed(threads)
+    before_threads, before_split = torch.get_num_threads(), step.split_rows
+    try:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            runner.kv_cache.normal_(generator=gen)
+            for split, lens in ((1, [600, 1, 2, 3]), (1, [1 + 37 * i % 400 for i in range(40)]),
+                                (1, [2, 700] + [5] * 30), (41, [1 + i for i in range(40)])):
+                ids, positions, ctx = _batch(runner, lens, gen)
+                before = runner.kv_cache.clone()
+                want = run_modules(runner, ids, positions, ctx)
+                stored = runner.kv_cache.clone()
+                runner.kv_cache.copy_(before)
+                step.split_rows = split
+                got = runner.cpu_decode.run(ids, positions, ctx)
+                assert torch.equal(got, want), lens
+                assert torch.equal(runner.kv_cache, stored), lens
+    finally:
+        torch.set_num_threads(before_threads)
+        step.split_rows = before_split
+
+
 def test_engine_streams_the_same_with_and_without_it(tiny_llama: Path,
                                                      make_llm: Callable[..., LLM]) -> None:
     """Greedy and seeded streams, logprobs included, whether decode steps run natively or
