@@ -22,10 +22,10 @@ from engine.cpu_linear import GEMV_ROWS, PackedLinear
 from engine.models import LlamaForCausalLM
 from kernels import cpu_decode, cpu_native
 
-# float32 decode steps of at least this many rows run with each thread on its own share of the
-# rows, on AMD's cores (kernels/cpu_decode.c: a Zen 4, 2 threads, SmolLM2 at 32 rows 49.8 ->
-# 47.2 ms a step, at 16 rows 24.3 -> 27.6); 0 elsewhere: a Xeon lost at 32 rows, drew level at
-# 64. The bfloat16 step, its products paired and bound otherwise, was not measured split.
+# decode steps of at least this many rows run with each thread on its own share of the rows,
+# on AMD's cores (kernels/cpu_decode.c: a Zen 4, 2 threads, SmolLM2 float32 at 32 rows 49.8 ->
+# 47.2 ms a step, at 16 rows 24.3 -> 27.6; bfloat16 weights and pool at 32 rows 33.9 -> 33.5,
+# 64 rows 75.3 -> 67.9); 0 elsewhere: a Xeon lost at 32 rows, drew level at 64.
 SPLIT_ROWS = 32 if cpu_native.VENDOR == "AuthenticAMD" else 0
 
 
@@ -86,10 +86,8 @@ class CpuDecode:
                 "gate_up": layer.mlp.gate_up_proj.panels, "down": layer.mlp.down_proj.panels,
                 "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache})
         norm = body.norm
-        stored = attn.qkv_proj.panels.dtype
         step = cpu_decode.DecodeStep(dims, tensors, norm.weight.detach(), attn.rotary.cos,
-                                     attn.rotary.sin, norm.eps, attn.attn.scale,
-                                     SPLIT_ROWS if stored == torch.float32 else 0)
+                                     attn.rotary.sin, norm.eps, attn.attn.scale, SPLIT_ROWS)
         return cls(model, step, min(m.gemv_rows for m in linears))
 
     def can_run(self, ctx: Context, num_tokens: int) -> bool:

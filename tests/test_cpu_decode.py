@@ -76,13 +76,15 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
             assert torch.equal(got[0], crowd[i]), i
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_rows_split_between_threads_keep_their_bits(threads: int, tiny_llama: Path,
+def test_rows_split_between_threads_keep_their_bits(threads: int, dtype: str, tiny_llama: Path,
                                                     make_llm: Callable[..., LLM]) -> None:
     """Each thread running the whole step on its share of the rows (``split_rows``, on AMD's
-    cores from 32 rows) gives every row the bits and the KV the modules give, shares cut
-    unevenly by long and short contexts; and below ``split_rows`` the step is not split."""
-    llm = make_llm(tiny_llama, block_size=BLOCK, num_kv_blocks=640)
+    cores from 32 rows) gives every row the bits and the KV of the step split kernel by kernel
+    (which has the modules' bits: the test above), shares cut unevenly by long and short
+    contexts, in both builds; and below ``split_rows`` the step is not split."""
+    llm = make_llm(tiny_llama, block_size=BLOCK, num_kv_blocks=640, dtype=dtype)
     runner = llm.engine.model_runner
     step = runner.cpu_decode.step
     gen = torch.Generator().manual_seed(threads)
@@ -95,7 +97,8 @@ def test_rows_split_between_threads_keep_their_bits(threads: int, tiny_llama: Pa
                                 (1, [2, 700] + [5] * 30), (41, [1 + i for i in range(40)])):
                 ids, positions, ctx = _batch(runner, lens, gen)
                 before = runner.kv_cache.clone()
-                want = run_modules(runner, ids, positions, ctx)
+                step.split_rows = 0
+                want = runner.cpu_decode.run(ids, positions, ctx).clone()
                 stored = runner.kv_cache.clone()
                 runner.kv_cache.copy_(before)
                 step.split_rows = split
