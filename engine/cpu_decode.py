@@ -22,11 +22,11 @@ from engine.cpu_linear import GEMV_ROWS, PackedLinear
 from engine.models import LlamaForCausalLM
 from kernels import cpu_decode, cpu_native
 
-# decode steps of at least this many rows run with each thread on its own share of the rows,
-# on AMD's cores (kernels/cpu_decode.c: a Zen 4, 2 threads, SmolLM2 float32 at 32 rows 49.8 ->
+# decode steps of at least this many rows a thread run with each thread on its own share of the
+# rows, on AMD's cores (kernels/cpu_decode.c: a Zen 4, 2 threads, SmolLM2 float32 at 32 rows 49.8 ->
 # 47.2 ms a step, at 16 rows 24.3 -> 27.6; bfloat16 weights and pool at 32 rows 33.9 -> 33.5,
 # 64 rows 75.3 -> 67.9); 0 elsewhere: a Xeon lost at 32 rows, drew level at 64.
-SPLIT_ROWS = 32 if cpu_native.VENDOR == "AuthenticAMD" else 0
+SPLIT_ROWS = 16 if cpu_native.VENDOR == "AuthenticAMD" else 0
 
 
 class CpuDecode:

@@ -108,9 +108,9 @@ static void cut_rows(const int64_t *dims, const int32_t *context_lens, int64_t r
 
 /* x [rows][hidden]: the tokens' embeddings in, the final norm's output out. positions and
  * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
- * included). From split_rows rows on (0: never), each thread runs the whole step on its own
- * share of the rows, alone, with no barrier between the threads; below them every product and
- * attention is split between the threads. Returns 0, or -1 where scratch memory could not be
+ * included). From split_rows rows a thread on (0: never), each thread runs the whole step on
+ * its own share of the rows, alone, with no barrier between the threads; below them every
+ * product and attention is split between the threads. Returns 0, or -1 where scratch memory could not be
  * had (x is then undefined).
  *
  * Why split the rows: with every kernel split, both cores stream the attention's keys at once
@@ -121,15 +121,16 @@ static void cut_rows(const int64_t *dims, const int32_t *context_lens, int64_t r
  * mostly from the shared L3. Zen 4, 2 threads, float32, a step's median: SmolLM2 at 32 rows
  * of ~192 keys 49.8 -> 47.2 ms, 64 rows of ~340 keys 121.5 -> 110.3, 128 rows 242.1 -> 231.6;
  * random-26m at 128 rows of ~340 keys 66.9 -> 63.8; but 16 rows 24.3 -> 27.6 and 8 rows 19.0
- * -> 22.0 (the weights, read by each thread, are then what bounds the step). A Xeon (session
- * 29; one core reads far less of the machine's bandwidth there) lost at 16 and 32 rows and
- * drew level at 64: engine/cpu_decode.py asks for the split on AMD's cores only. */
+ * -> 22.0 (the weights, read by each thread, are then what bounds the step: hence a floor of
+ * rows a thread, though only 2 threads were measured). A Xeon (session 29; one core reads far
+ * less of the machine's bandwidth there) lost at 16 and 32 rows and drew level at 64:
+ * engine/cpu_decode.py asks for the split on AMD's cores only. */
 int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
                         const float *final_norm, const float *cos, const float *sin, float eps,
                         float scale, float *x, int64_t rows, const int64_t *positions,
                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
                         const int32_t *context_lens, int64_t threads, int64_t split_rows) {
-    if (threads < 2 || split_rows <= 0 || rows < split_rows || rows < threads)
+    if (threads < 2 || split_rows <= 0 || rows < split_rows * threads)
         return decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x, rows, positions,
                            slots, tables, table_stride, context_lens, threads);
     int64_t *cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));

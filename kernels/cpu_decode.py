@@ -30,8 +30,9 @@ class DecodeStep:
     and V pools ``[blocks, block_size, kv_heads, head_dim]``, contiguous, held here for as
     long as the step lives; the panels and pools (``STORED``) all float32 or all bfloat16
     (``cpu_bf16.c``'s build), the rest float32. ``cos`` and ``sin``: the rotary tables
-    ``[positions, head_dim]``. ``split_rows``: from this many rows on (0: never) each thread
-    runs the whole step on its own share of the rows (``cpu_decode.c`` says when that pays)."""
+    ``[positions, head_dim]``. ``split_rows``: from this many rows a thread on (0: never)
+    each thread runs the whole step on its own share of the rows (``cpu_decode.c`` says when
+    that pays)."""
 
     def __init__(self, dims: dict[str, int], layers: list[dict[str, torch.Tensor | None]],
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
