@@ -110,8 +110,8 @@ static void cut_rows(const int64_t *dims, const int32_t *context_lens, int64_t r
  * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
  * included). From split_rows rows a thread on (0: never), each thread runs the whole step on
  * its own share of the rows, alone, with no barrier between the threads; below them every
- * product and attention is split between the threads. Returns 0, or -1 where scratch memory could not be
- * had (x is then undefined).
+ * product and attention is split between the threads. Returns 0, or -1 where scratch memory
+ * could not be had (x is then undefined).
  *
  * Why split the rows: with every kernel split, both cores stream the attention's keys at once
  * and then both compute the products, so the memory idles while the FMAs work and the two

@@ -83,7 +83,7 @@ def test_rows_split_between_threads_keep_their_bits(threads: int, dtype: str, ti
     """Each thread running the whole step on its share of the rows (``split_rows`` a thread,
     on AMD's cores 16) gives every row the bits and the KV of the step split kernel by kernel
     (which has the modules' bits: the test above), shares cut unevenly by long and short
-    contexts, in both builds; and below ``split_rows`` the step is not split."""
+    contexts, in both builds; and a threshold above the rows leaves them the same bits."""
     llm = make_llm(tiny_llama, block_size=BLOCK, num_kv_blocks=640, dtype=dtype)
     runner = llm.engine.model_runner
     step = runner.cpu_decode.step
