@@ -59,11 +59,14 @@ def _busy_us(spans: list[tuple[float, float]]) -> float:
 
 
 def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float,
-                   async_scheduling: bool = True) -> dict:
-    from engine import LLM, SamplingParams
+                   async_scheduling: bool = True, gemv_rows: int | None = None) -> dict:
+    from engine import LLM, SamplingParams, cuda_linear
 
+    default_rows = cuda_linear.GEMV_ROWS
+    cuda_linear.GEMV_ROWS = default_rows if gemv_rows is None else gemv_rows
     llm = LLM(str(model_path(name)), dtype="bfloat16", device="cuda", max_num_seqs=max(batch, 8),
               async_scheduling=async_scheduling)
+    cuda_linear.GEMV_ROWS = default_rows
     engine = llm.engine
     runner = engine.model_runner
     for owner, attr in PHASES:
@@ -114,7 +117,7 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     result = {
         "model": name, "batch": batch, "context": prompt_len, "floor_ms": floor_ms,
-        "async_scheduling": async_scheduling,
+        "async_scheduling": async_scheduling, "gemv_rows": gemv_rows,
         "step_ms_median": statistics.median(wall),
         "x_floor": statistics.median(wall) / floor_ms,
         "profiled_step_ms": prof_wall_us / steps / 1e3,
@@ -142,6 +145,8 @@ def main() -> None:
     p.add_argument("--batches", default="1")
     p.add_argument("--async-scheduling", default="on", choices=["on", "off", "both"],
                    help="the engine's, for --decode (both: off then on, per batch)")
+    p.add_argument("--gemv-rows", default="",
+                   help="rows the few-row GEMV takes, comma-separated, each a run (0: cuBLAS)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="sweep the prefill launch shapes")
@@ -158,9 +163,10 @@ def main() -> None:
                              "copy_GB/s": bw * 1e-9, "bf16_TFLOP/s": rate * 1e-12}}
     print(json.dumps(result["info"]), flush=True)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.async_scheduling]
-    result["decode"] = [profile_decode(name, int(b), args.prompt_len, args.steps, bw, mode)
+    gemv = [int(r) for r in args.gemv_rows.split(",")] if args.gemv_rows else [None]
+    result["decode"] = [profile_decode(name, int(b), args.prompt_len, args.steps, bw, mode, g)
                         for name in args.decode for b in args.batches.split(",")
-                        for mode in modes]
+                        for mode in modes for g in gemv]
     if args.sweep:
         result["sweep"] = sweep_prefill(rate)
     result["prefill"] = [row for name in args.prefill

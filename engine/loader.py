@@ -8,6 +8,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.cpu_linear import can_pack, pack_linears
+from engine.cuda_linear import gemv_linears, use_gemv
 from engine.models import MODEL_REGISTRY, LlamaForCausalLM
 from engine.quantization import parse_quant_config, quantize_linears
 from kernels import cpu_gemv
@@ -117,4 +118,6 @@ def load_model(path: Path, config: PretrainedConfig, max_positions: int, dtype: 
     model = model.to(device).eval()
     if can_pack(model):
         pack_linears(model, dtype if held != dtype else torch.float32)
+    elif use_gemv(model):
+        gemv_linears(model)
     return model

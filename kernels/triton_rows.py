@@ -110,6 +110,19 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 @triton.jit
+def swiglu(gate, up, dtype: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``silu(gate) * up`` of fp32 values, rounded to ``dtype`` where torch's two ops round.
+    torch's silu: x / (1 + exp(-x)) with an IEEE division and expf (tl.exp is ex2.approx on a
+    GPU, some ulps off; the interpreter has no libdevice but its tl.exp is numpy's)."""
+    if LIBDEVICE:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    act = tl.math.div_rn(gate, 1.0 + e).to(dtype)
+    return (act.to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, N: tl.constexpr, BLOCK: tl.constexpr,
                          LIBDEVICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -117,15 +130,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, N: tl.constexpr, BLOCK: tl.co
     mask = offs < N
     gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * s_x + N + offs, mask=mask, other=0.0).to(tl.float32)
-    # torch's silu: x / (1 + exp(-x)) with an IEEE division and expf, rounded to the dtype
-    # (tl.exp is ex2.approx on a GPU, some ulps off; the interpreter has no libdevice but its
-    # tl.exp is numpy's)
-    if LIBDEVICE:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
-    act = tl.math.div_rn(gate, 1.0 + e).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * s_o + offs, (act.to(tl.float32) * up).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + row * s_o + offs, swiglu(gate, up, out_ptr.dtype.element_ty, LIBDEVICE),
              mask=mask)
 
 

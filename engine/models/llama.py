@@ -11,6 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
 from engine.attention import PagedAttention
+from engine.cuda_linear import GemvLinear
 from engine.direct_module import DirectModule
 
 
@@ -88,7 +89,10 @@ class MLP(DirectModule):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, GemvLinear):  # the activation fused into the product
+            return self.down_proj.forward_swiglu(gate_up)
+        return self.down_proj(kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(DirectModule):
