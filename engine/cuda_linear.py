@@ -17,9 +17,10 @@ from torch import nn
 import kernels
 from engine.direct_module import DirectModule
 
-# rows a product takes the GEMV up to (0: cuBLAS for every product, the benchmarks' A/B);
-# read when the model loads
-GEMV_ROWS = 4
+# rows a product takes the GEMV up to, read when the model loads; 0: cuBLAS for every product.
+# Off until measured on a GPU (session 31 was refused one): ``gpu_profile.py --gemv-rows 0,4``
+# and ``gpu_gemv.py`` are the A/B that decides it.
+GEMV_ROWS = 0
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
