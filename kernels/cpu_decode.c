@@ -110,8 +110,9 @@ static void cut_rows(const int64_t *dims, const int32_t *context_lens, int64_t r
  * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
  * included). From split_rows rows a thread on (0: never), each thread runs the whole step on
  * its own share of the rows, alone, with no barrier between the threads; below them every
- * product and attention is split between the threads. Returns 0, or -1 where scratch memory
- * could not be had (x is then undefined).
+ * product and attention is split between the threads. Returns the shares the rows ran in (1,
+ * or threads where split: what the tests observe), or -1 where scratch memory could not be
+ * had (x is then undefined).
  *
  * Why split the rows: with every kernel split, both cores stream the attention's keys at once
  * and then both compute the products, so the memory idles while the FMAs work and the two
@@ -132,7 +133,7 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
                         const int32_t *context_lens, int64_t threads, int64_t split_rows) {
     if (threads < 2 || split_rows <= 0 || rows < split_rows * threads)
         return decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x, rows, positions,
-                           slots, tables, table_stride, context_lens, threads);
+                           slots, tables, table_stride, context_lens, threads) == 0 ? 1 : -1;
     int64_t *cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));
     if (!cuts) return -1;
     cut_rows(dims, context_lens, rows, threads, cuts);
@@ -148,5 +149,5 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
         }
     }
     free(cuts);
-    return failed ? -1 : 0;
+    return failed ? -1 : (int)threads;
 }

@@ -66,6 +66,7 @@ class DecodeStep:
         self._final_norm, self._cos, self._sin = final_norm, cos, sin
         self._eps, self._scale = eps, scale
         self.split_rows = split_rows
+        self.last_shares = 0  # the last call's: 1, or its threads where the rows were split
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -81,11 +82,12 @@ class DecodeStep:
         slots = slots.to(torch.int64).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
-        failed = self._function(
+        shares = self._function(
             self._dims.data_ptr(), self._layers.data_ptr(), self._final_norm.data_ptr(),
             self._cos.data_ptr(), self._sin.data_ptr(), self._eps, self._scale, x.data_ptr(),
             rows, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lens.data_ptr(), torch.get_num_threads(), self.split_rows)
-        if failed:
+        if shares < 0:
             raise MemoryError("the decode step could not allocate its scratch memory")
+        self.last_shares = shares
         return x

@@ -83,7 +83,8 @@ def test_rows_split_between_threads_keep_their_bits(threads: int, dtype: str, ti
     """Each thread running the whole step on its share of the rows (``split_rows`` a thread,
     on AMD's cores 16) gives every row the bits and the KV of the step split kernel by kernel
     (which has the modules' bits: the test above), shares cut unevenly by long and short
-    contexts, in both builds; and a threshold above the rows leaves them the same bits."""
+    contexts, in both builds; and a threshold above the rows leaves them the same bits. Each
+    call's ``last_shares`` says whether the split ran."""
     llm = make_llm(tiny_llama, block_size=BLOCK, num_kv_blocks=640, dtype=dtype)
     runner = llm.engine.model_runner
     step = runner.cpu_decode.step
@@ -99,10 +100,13 @@ def test_rows_split_between_threads_keep_their_bits(threads: int, dtype: str, ti
                 before = runner.kv_cache.clone()
                 step.split_rows = 0
                 want = runner.cpu_decode.run(ids, positions, ctx).clone()
+                assert step.last_shares == 1
                 stored = runner.kv_cache.clone()
                 runner.kv_cache.copy_(before)
                 step.split_rows = split
                 got = runner.cpu_decode.run(ids, positions, ctx)
+                # split where each thread has split_rows rows: 40 rows are not 21 a thread
+                assert step.last_shares == (threads if len(lens) >= split * threads else 1)
                 assert torch.equal(got, want), lens
                 assert torch.equal(runner.kv_cache, stored), lens
     finally:

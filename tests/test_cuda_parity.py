@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cuda_linear
 from tests.test_parity import _prompts, _smollm2_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -74,12 +74,14 @@ def test_fp32_exact(name: str, request: pytest.FixtureRequest,
     assert [t for t, _ in _engine_greedy(llm, prompts, max_new)] == expected
 
 
-@pytest.mark.parametrize("route", ["paged", "fresh"])
+@pytest.mark.parametrize("route", ["paged", "fresh", "gemv"])
 @pytest.mark.parametrize("name", ["tiny_llama", "smollm2"])
 def test_bf16_top5(name: str, route: str, request: pytest.FixtureRequest,
                    make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch) -> None:
     """``route`` fresh: every prompt's prefill attention through
-    ``kernels.prefill_attention_fresh`` (cuDNN), whatever its length (calls counted)."""
+    ``kernels.prefill_attention_fresh`` (cuDNN), whatever its length (calls counted); gemv:
+    the few-row Triton GEMV on (``engine.cuda_linear``), each prompt alone so that its decode
+    steps are one row."""
     model, prompts, max_new = _case(name, request)
     theirs = _hf_greedy(model, prompts, max_new, torch.bfloat16)
     calls: list[list[int]] = []
@@ -92,8 +94,15 @@ def test_bf16_top5(name: str, route: str, request: pytest.FixtureRequest,
 
         monkeypatch.setattr(kernels, "FRESH_PREFILL_MIN_TOKENS", 1)
         monkeypatch.setattr(kernels, "prefill_attention_fresh", counted)
+    if route == "gemv":
+        monkeypatch.setattr(cuda_linear, "GEMV_ROWS", 4)
     llm = make_llm(model, device="cuda", dtype="bfloat16", num_kv_blocks=256)
-    ours = _engine_greedy(llm, prompts, max_new)
+    if route == "gemv":
+        modules = llm.engine.model_runner.model.modules()
+        assert any(isinstance(m, cuda_linear.GemvLinear) for m in modules)
+        ours = [out for p in prompts for out in _engine_greedy(llm, [p], max_new)]
+    else:
+        ours = _engine_greedy(llm, prompts, max_new)
     if route == "fresh":  # every prompt's prefill went by it (one token is a decode row)
         assert {len(p) for p in prompts if len(p) > 1} <= {n for lens in calls for n in lens}
     diverged = 0
