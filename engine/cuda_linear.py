@@ -1,10 +1,11 @@
 """On CUDA, a decode step's few-row products through ``kernels.triton_gemv`` instead of cuBLAS.
 
 At batch 1 the step is a walk through the weights, and cuBLAS's one-row kernels read the small
-ones (random-1b's qkv and o_proj) at under half the memory's rate (session 16, H200); the
-GEMV tiles them for bandwidth, and the MLP's down projection reads SwiGLU's activation from the
-gate/up product as it goes (one launch a layer fewer). Past ``GEMV_ROWS`` rows a product is
-compute's, and cuBLAS's.
+ones (random-1b's qkv and o_proj) at under half the memory's rate (session 16, H200). The
+GEMV is written to tile them for bandwidth, and the MLP's down projection reads SwiGLU's
+activation from the gate/up product as it goes (one launch a layer fewer); whether it beats
+cuBLAS is not measured yet (hence ``GEMV_ROWS = 0``). Past a few rows a product is compute's,
+and cuBLAS's.
 """
 
 import importlib
