@@ -62,11 +62,13 @@ def profile_decode(name: str, batch: int, prompt_len: int, steps: int, bw: float
                    async_scheduling: bool = True, gemv_rows: int | None = None) -> dict:
     from engine import LLM, SamplingParams, cuda_linear
 
-    default_rows = cuda_linear.GEMV_ROWS
+    default_rows = cuda_linear.GEMV_ROWS  # read as the model loads: set for this load only
     cuda_linear.GEMV_ROWS = default_rows if gemv_rows is None else gemv_rows
-    llm = LLM(str(model_path(name)), dtype="bfloat16", device="cuda", max_num_seqs=max(batch, 8),
-              async_scheduling=async_scheduling)
-    cuda_linear.GEMV_ROWS = default_rows
+    try:
+        llm = LLM(str(model_path(name)), dtype="bfloat16", device="cuda",
+                  max_num_seqs=max(batch, 8), async_scheduling=async_scheduling)
+    finally:
+        cuda_linear.GEMV_ROWS = default_rows
     engine = llm.engine
     runner = engine.model_runner
     for owner, attr in PHASES:

