@@ -27,6 +27,13 @@ from kernels import cpu_decode, cpu_native
 # 47.2 ms a step, at 16 rows 24.3 -> 27.6; bfloat16 weights and pool at 32 rows 33.9 -> 33.5,
 # 64 rows 75.3 -> 67.9); 0 elsewhere: a Xeon lost at 32 rows, drew level at 64.
 SPLIT_ROWS = 16 if cpu_native.VENDOR == "AuthenticAMD" else 0
+# float32 decode steps of up to this many rows run natively where the threads split the rows
+# (SPLIT_ROWS), past AVX2's GEMV_ROWS (64): each thread's products are then cpu_gemv's over its
+# own share of the rows, not the many-row product split by panels that falls behind oneDNN's
+# past 64 rows. An AMD EPYC Zen 3 (AVX2), random-26m's 128 requests (decode steps of up to 128
+# rows), 2 threads, 6 runs each alternating: 38.1-47.0 s (median 39.1) against 39.0-51.5 (41.9)
+# with steps past 64 rows through the modules. AVX-512's GEMV_ROWS is this already.
+SPLIT_F32_ROWS = 256
 
 
 class CpuDecode:
@@ -34,10 +41,8 @@ class CpuDecode:
                  max_rows: int) -> None:
         self.model = model
         self.step = step
-        # decode steps of up to this many sequences run natively: the rows the products take
-        # through cpu_gemv (past them oneDNN, which the C step does not call), and no more
-        # than GEMV_ROWS where float32 weights take every batch there (a prefill's too)
-        self.max_rows = min(max_rows, GEMV_ROWS)
+        # decode steps of up to this many sequences run natively (see `bind`)
+        self.max_rows = max_rows
 
     @classmethod
     def bind(cls, model: LlamaForCausalLM, block_size: int) -> "CpuDecode | None":
@@ -88,7 +93,19 @@ class CpuDecode:
         norm = body.norm
         step = cpu_decode.DecodeStep(dims, tensors, norm.weight.detach(), attn.rotary.cos,
                                      attn.rotary.sin, norm.eps, attn.attn.scale, SPLIT_ROWS)
-        return cls(model, step, min(m.gemv_rows for m in linears))
+        return cls(model, step, cls._max_rows(linears))
+
+    @staticmethod
+    def _max_rows(linears: list[PackedLinear]) -> int:
+        """The most rows a native step takes: float32 weights SPLIT_F32_ROWS where the threads
+        split the rows (their products have oneDNN's bits at any rows: the probe at load);
+        else the rows the modules' products take through cpu_gemv (bfloat16 weights sum
+        otherwise in oneDNN), and no more than GEMV_ROWS where float32 weights take every
+        batch there (a prefill's too)."""
+        if SPLIT_ROWS and all(m.panels is not None and m.panels.dtype == torch.float32
+                              for m in linears):
+            return SPLIT_F32_ROWS
+        return min(min(m.gemv_rows for m in linears), GEMV_ROWS)
 
     def can_run(self, ctx: Context, num_tokens: int) -> bool:
         """A step of 1 to ``max_rows`` single-token decodes, in one group (as the ``"cpu"``

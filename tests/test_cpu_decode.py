@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.context import Context, DecodeGroup
+from engine.cpu_decode import SPLIT_F32_ROWS, SPLIT_ROWS
 from engine.cpu_linear import GEMV_ROWS
 from engine.model_runner import ModelRunner
 from kernels import cpu_decode, cpu_native, cpu_rows, reference
@@ -39,11 +40,12 @@ def _batch(runner: ModelRunner, lens: list[int],
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_llama3", "tiny_mistral"])
 def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequest,
                                           make_llm: Callable[..., LLM]) -> None:
-    """1 to 12 rows, contexts from one token to several blocks and past the attention's chunk
-    of 256 keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the
-    modules on the same rows; and each row alone against the modules' batch of ``max_rows`` +
-    6 (past it: its attention's chunks in a row, its products oneDNN's or, for float32
-    weights on AVX-512, cpu_gemv's many rows)."""
+    """1 to 12 rows and 100 (past AVX2's GEMV_ROWS: split between the threads on AMD's
+    cores), contexts from one token to several blocks and past the attention's chunk of 256
+    keys (qwen2: the qkv bias; mistral: 8 query heads on one KV head), against the modules on
+    the same rows; and each row alone against the modules' batch of ``max_rows`` + 6 (past it:
+    its attention's chunks in a row, its products oneDNN's or, for float32 weights on
+    AVX-512, cpu_gemv's many rows)."""
     llm = make_llm(request.getfixturevalue(name), block_size=BLOCK, num_kv_blocks=640)
     runner = llm.engine.model_runner
     assert runner.cpu_decode is not None
@@ -51,7 +53,7 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
     with torch.inference_mode():
         runner.kv_cache.normal_(generator=gen)
         for lens in ([1], [600, 2], [BLOCK, 256, 257], [3, 64, BLOCK + 1, 513],
-                     [7 * i + 1 for i in range(12)]):
+                     [7 * i + 1 for i in range(12)], [1 + 37 * i % 120 for i in range(100)]):
             ids, positions, ctx = _batch(runner, lens, gen)
             before = runner.kv_cache.clone()
             want = run_modules(runner, ids, positions, ctx)
@@ -63,7 +65,7 @@ def test_native_step_has_the_modules_bits(name: str, request: pytest.FixtureRequ
             assert torch.equal(runner.kv_cache, stored), lens  # the same KV, in the same slots
         max_rows = runner.cpu_decode.max_rows
         lens = [5, 300, 12, 1, 520, 20] + [1 + i % 30 for i in range(max_rows)]
-        assert len(lens) > max_rows == GEMV_ROWS
+        assert len(lens) > max_rows == (SPLIT_F32_ROWS if SPLIT_ROWS else GEMV_ROWS)
         ids, positions, ctx = _batch(runner, lens, gen)
         assert not runner.cpu_decode.can_run(ctx, len(lens))
         crowd = run_modules(runner, ids, positions, ctx)
