@@ -27,12 +27,14 @@ from kernels import cpu_decode, cpu_native
 # 47.2 ms a step, at 16 rows 24.3 -> 27.6; bfloat16 weights and pool at 32 rows 33.9 -> 33.5,
 # 64 rows 75.3 -> 67.9); 0 elsewhere: a Xeon lost at 32 rows, drew level at 64.
 SPLIT_ROWS = 16 if cpu_native.VENDOR == "AuthenticAMD" else 0
-# float32 decode steps of up to this many rows run natively where the threads split the rows
-# (SPLIT_ROWS), past AVX2's GEMV_ROWS (64): each thread's products are then cpu_gemv's over its
-# own share of the rows, not the many-row product split by panels that falls behind oneDNN's
-# past 64 rows. An AMD EPYC Zen 3 (AVX2), random-26m's 128 requests (decode steps of up to 128
-# rows), 2 threads, 6 runs each alternating: 38.1-47.0 s (median 39.1) against 39.0-51.5 (41.9)
-# with steps past 64 rows through the modules. AVX-512's GEMV_ROWS is this already.
+# float32 decode steps of up to this many rows run natively where SPLIT_ROWS is set (AMD's
+# cores), past AVX2's GEMV_ROWS (64): on 2 threads or more such steps split, and each thread's
+# products are then cpu_gemv's over its own share of the rows, not the many-row product split
+# by panels that falls behind oneDNN's past 64 rows (on one thread they run unsplit: not
+# measured against the modules there). An AMD EPYC Zen 3 (AVX2), random-26m's 128 requests
+# (decode steps of up to 128 rows), 2 threads, 6 runs each alternating: 38.1-47.0 s (median
+# 39.1) against 39.0-51.5 (41.9) with steps past 64 rows through the modules. AVX-512's
+# GEMV_ROWS is this already.
 SPLIT_F32_ROWS = 256
 
 
@@ -97,8 +99,8 @@ class CpuDecode:
 
     @staticmethod
     def _max_rows(linears: list[PackedLinear]) -> int:
-        """The most rows a native step takes: float32 weights SPLIT_F32_ROWS where the threads
-        split the rows (their products have oneDNN's bits at any rows: the probe at load);
+        """The most rows a native step takes: float32 weights SPLIT_F32_ROWS where SPLIT_ROWS
+        is set (their products have oneDNN's bits at any rows: the probe at load);
         else the rows the modules' products take through cpu_gemv (bfloat16 weights sum
         otherwise in oneDNN), and no more than GEMV_ROWS where float32 weights take every
         batch there (a prefill's too)."""
