@@ -11,8 +11,23 @@
  * ms, 32 rows 42.4 -> 36.9, 64 rows 75.4 -> 67.9, 128 rows 132 -> 129; 256 rows 256 -> 273,
  * where the products are bound by the FMAs and the stored sums only cost; chunks of 16 / 48 /
  * 64 / 128 inputs no better than 32. A 32-request batch of SmolLM2 (128 + 128 tokens): 12.9 ->
- * 11.6 s. */
+ * 11.6 s.
+ *
+ * AVX-512 without BF16 (Skylake-SP, Cascade Lake) takes 64 inputs a chunk and asks for no
+ * lines ahead: there the asks slowed the products and the hardware's prefetch serves alone. A
+ * Cascade Lake (family 6 model 85), 2 threads, cold, time against oneDNN's packed product in
+ * the same run (random-26m's 32 layers / SmolLM2's 120): 64 rows 1.45 / 1.14 -> 1.00-1.04 /
+ * 1.02-1.05, 128 rows 1.48 / 1.60 -> 1.05-1.07 / 0.89-1.03 (asks dropped alone: 64 rows 1.00-1.18
+ * / 1.02-1.14, 128 rows 1.19-1.49 / 1.16-1.19). In the engine, random-26m's decode steps of 64
+ * rows (64 requests, 96 tokens each) took 0.89x main's time, of 128 rows 0.90x (medians of 8
+ * and 6 alternating processes, this change ahead in 13 of the 14). */
+#ifdef __AVX512BF16__
 #define GEMV_CHUNK 32
+#define CHUNK_ASKS 1
+#else
+#define GEMV_CHUNK 64
+#define CHUNK_ASKS 0
+#endif
 #define BLOCK_TILES 8
 #define CHUNKED_ROWS 128
 
@@ -98,7 +113,7 @@ static int chunked(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                 if (k1 > k) k1 = k;
                 /* the first row block asks for the next group's lines of this chunk
                  * (next_panels runs of c), a share to each tile: [a, a + na) */
-                const int64_t c = k1 - k0, lines = rb == 0 ? next_panels * c : 0;
+                const int64_t c = k1 - k0, lines = CHUNK_ASKS && rb == 0 ? next_panels * c : 0;
                 for (int64_t t = 0; t < tiles; t++) {
                     const int64_t r0 = rb + t * TILE;
                     const int64_t a = lines * t / tiles, na = lines * (t + 1) / tiles - a;
