@@ -13,14 +13,14 @@
  * 64 / 128 inputs no better than 32. A 32-request batch of SmolLM2 (128 + 128 tokens): 12.9 ->
  * 11.6 s.
  *
- * AVX-512 without BF16 (Skylake-SP, Cascade Lake) takes 64 inputs a chunk and asks for no
- * lines ahead: there the asks slowed the products and the hardware's prefetch serves alone. A
- * Cascade Lake (family 6 model 85), 2 threads, cold, time against oneDNN's packed product in
- * the same run (random-26m's 32 layers / SmolLM2's 120): 64 rows 1.45 / 1.14 -> 1.00-1.04 /
- * 1.02-1.05, 128 rows 1.48 / 1.60 -> 1.05-1.07 / 0.89-1.03 (asks dropped alone: 64 rows 1.00-1.18
- * / 1.02-1.14, 128 rows 1.19-1.49 / 1.16-1.19). In the engine, random-26m's decode steps of 64
- * rows (64 requests, 96 tokens each) took 0.89x main's time, of 128 rows 0.90x (medians of 8
- * and 6 alternating processes, this change ahead in 13 of the 14). */
+ * AVX-512 without BF16 (Skylake-SP, Cascade Lake; Ice Lake too, unmeasured) takes 64 inputs a
+ * chunk and asks for no lines ahead: there the asks slowed the products and the hardware's
+ * prefetch serves alone. A Cascade Lake (family 6 model 85), 2 threads, cold, time against
+ * oneDNN's packed product in the same run (random-26m's 32 layers / SmolLM2's 120): 64 rows
+ * 1.45 / 1.14 -> 1.00-1.04 / 1.02-1.05, 128 rows 1.48 / 1.60 -> 1.05-1.07 / 0.89-1.03 (asks
+ * dropped alone: 64 rows 1.00-1.18 / 1.02-1.14, 128 rows 1.19-1.49 / 1.16-1.19). In the engine,
+ * random-26m's decode steps of 64 rows (64 requests, 96 tokens each) took 0.89x main's time, of
+ * 128 rows 0.90x (medians of 8 and 6 alternating processes, this change ahead in 13 of the 14). */
 #ifdef __AVX512BF16__
 #define GEMV_CHUNK 32
 #define CHUNK_ASKS 1
