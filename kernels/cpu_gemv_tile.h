@@ -11,6 +11,25 @@ static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t
         store16(y + r * ldy, bias ? add16(sums[r * stride], load16(b)) : sums[r * stride], lanes);
 }
 
+/* Whether a tile holds each step's weights in registers (HOLD: an empty asm that takes the
+ * vectors in registers, so the compiler cannot fold the loads into the FMAs). Left to itself,
+ * GCC 12 folded them on AVX2: each FMA loaded its weights again, 18 loads a step for the 6 x 16
+ * tile's 12 FMAs where 8 serve, and the loads, not the FMAs, set the pace. Held where the sums,
+ * the weights and a broadcast fit AVX2's 16 registers (rows + 1 by panels, twice, plus one):
+ * the 6-row tile and the smaller ones of one panel; the few-row tiles of 2 to 4 panels spilled
+ * with it and ran slower (1 to 3 rows: 0.67-0.79x the rate), so they keep the folded loads.
+ * One thread, an AMD EPYC Zen 3, rates with the weights in L3 (4 products of 576 x 576, 200
+ * passes): 16 rows 55 -> 88 GFLOP/s, 32 rows 54 -> 88, 64 rows 53 -> 93, 16 rows of 576 x
+ * 1,536 52 -> 83; in L2 the lone 6-row tile 56 -> 83. AVX-512's 32 registers: left as they
+ * were (not measured). */
+#ifdef __AVX512F__
+#define HELD(rows, panels) 0
+#define HOLD(v) ((void)0)
+#else
+#define HELD(rows, panels) (((rows) + 1) * (panels) * 2 + 1 <= 16)
+#define HOLD(v) __asm__("" : "+x"((v).lo), "+x"((v).hi))
+#endif
+
 /* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
  * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. Step i also
  * asks the memory for the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and
@@ -46,7 +65,10 @@ static inline __attribute__((always_inline)) void tile(
             vec16 wv[MAX_PANELS];
             if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
             if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
-            for (int j = 0; j < panels; j++) wv[j] = load16_w(w + j * k * 16 + i * 16);
+            for (int j = 0; j < panels; j++) {
+                wv[j] = load16_w(w + j * k * 16 + i * 16);
+                if (HELD(rows, panels)) HOLD(wv[j]);
+            }
             for (int r = 0; r < rows; r++)
                 for (int j = 0; j < panels; j++)
                     part[r][j] = fma16(x[r * ldx + i], wv[j], part[r][j]);
