@@ -16,8 +16,10 @@ static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t
  * GCC 12 folded them on AVX2: each FMA loaded its weights again, 18 loads a step for the 6 x 16
  * tile's 12 FMAs where 8 serve, and the loads, not the FMAs, set the pace. Held where the sums,
  * the weights and a broadcast fit AVX2's 16 registers (rows + 1 by panels, twice, plus one):
- * the 6-row tile and the smaller ones of one panel; the few-row tiles of 2 to 4 panels spilled
- * with it and ran slower (1 to 3 rows: 0.67-0.79x the rate), so they keep the folded loads.
+ * the tiles of one panel (1 to 6 rows), and the partial groups at a layer's end of 1 row by 2
+ * or 3 panels and 2 rows by 2. The few-row tiles of whole groups (1 x 4, 2 x 3, 3 x 2) do not
+ * fit: held, they spilled and ran slower (1 to 3 rows: 0.67-0.79x the rate), so they keep the
+ * folded loads.
  * One thread, an AMD EPYC Zen 3, rates with the weights in L3 (4 products of 576 x 576, 200
  * passes): 16 rows 55 -> 88 GFLOP/s, 32 rows 54 -> 88, 64 rows 53 -> 93, 16 rows of 576 x
  * 1,536 52 -> 83; in L2 the lone 6-row tile 56 -> 83. AVX-512's 32 registers: left as they
