@@ -11,7 +11,16 @@ median, 10 at most, on SmolLM2's states of random prompts.
 
 It serves only steps whose rows need nothing but the argmax (``Sampler.argmax_only``); the
 rest, and rows the bound cannot settle, compute the float32 logits as before.
+
+Past ``max_rows`` rows the float32 layer computes the tokens instead: the copy's logits are
+compute-bound there, and not every CPU computes bfloat16 faster than float32. An Intel Xeon
+(Emerald Rapids) whose VM hid AMX runs ``vdpbf16ps`` at a quarter of its float32 FMAs' rate,
+half their multiply-adds: SmolLM2's head at 32 rows took 10.3 ms against the float32 layer's
+6.3, at one row 1.0 against 1.9 (2 threads). ``probe`` finds the bound at load.
 """
+
+import sys
+import time
 
 import torch
 
@@ -20,11 +29,17 @@ from engine.cpu_linear import PackedLinear
 from engine.models import LlamaForCausalLM
 from kernels import cpu_greedy
 
+# the row counts ``probe`` times, the two ways alternating, best of PROBE_RUNS each
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PROBE_RUNS = 3
+
 
 class GreedyHead:
-    def __init__(self, lm_head: PackedLinear, weights: cpu_greedy.GreedyWeights) -> None:
+    def __init__(self, lm_head: PackedLinear, weights: cpu_greedy.GreedyWeights,
+                 max_rows: int = sys.maxsize) -> None:
         self.lm_head = lm_head
         self.weights = weights
+        self.max_rows = max_rows  # past it the float32 layer serves (``probe``)
 
     @classmethod
     def bind(cls, model: LlamaForCausalLM) -> "GreedyHead | None":
@@ -41,10 +56,37 @@ class GreedyHead:
         # a tied embedding holds the rows contiguous: a token's weights in one run
         exact = (embedding if embedding.shape == weight.shape and embedding.is_contiguous()
                  and torch.equal(embedding, weight) else head.panels)
-        return cls(head, cpu_greedy.prepare(weight, exact, head.block))
+        greedy = cls(head, cpu_greedy.prepare(weight, exact, head.block))
+        greedy.max_rows = greedy.probe()
+        return greedy
+
+    def probe(self) -> int:
+        """The most rows of ``PROBE_ROWS`` up to which the bfloat16 copy's tokens came faster
+        than the float32 layer's (``sys.maxsize`` where it led at every count; 0 where it led
+        at none), on random states; it stops at the first count it lost."""
+        gen = torch.Generator().manual_seed(0)
+        best = 0
+        for rows in PROBE_ROWS:
+            hidden = torch.randn(rows, self.lm_head.in_features, generator=gen)
+            seconds = [float("inf")] * 2
+            for run in range(PROBE_RUNS + 1):  # the first: warm-up (the first calls allocate)
+                for i in range(2):
+                    start = time.perf_counter()
+                    if i == 0:
+                        cpu_greedy.tokens(hidden, self.weights)
+                    else:
+                        kernels.argmax(self.lm_head(hidden))
+                    if run:
+                        seconds[i] = min(seconds[i], time.perf_counter() - start)
+            if seconds[0] > seconds[1]:
+                return best
+            best = rows
+        return sys.maxsize
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``kernels.argmax(self.lm_head(hidden))``: int64 [rows]."""
+        if hidden.shape[0] > self.max_rows:
+            return kernels.argmax(self.lm_head(hidden))
         tokens = cpu_greedy.tokens(hidden, self.weights)
         unsettled = (tokens < 0).nonzero().squeeze(1)
         if unsettled.numel():  # float32 logits of those rows: their bits in any batch

@@ -2,6 +2,7 @@
 ``engine.greedy_head``): the argmax of the float32 layer's logits, ties to the lowest id, on
 rows built to sit at the bound's edge, and the engine's greedy streams with and without it."""
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 import kernels
 from engine import LLM, SamplingParams
-from engine.greedy_head import GreedyHead
+from engine.greedy_head import PROBE_ROWS, GreedyHead
 from kernels import cpu_gemv, cpu_greedy
 
 pytestmark = pytest.mark.skipif(not cpu_greedy.available(), reason="no C kernels here")
@@ -93,6 +94,20 @@ def test_head_falls_back_to_the_float32_layer(tiny_llama3: Path,
     assert torch.equal(head.tokens(hidden), expected) and expected[1] == 0
 
 
+def test_rows_past_max_rows_take_the_float32_layer(tiny_llama3: Path,
+                                                    make_llm: Callable[..., LLM]) -> None:
+    """Past ``max_rows`` the float32 layer picks the tokens (the same ones); the probe's bound
+    is one of the counts it timed, none or all."""
+    head = make_llm(tiny_llama3).engine.model_runner.greedy_head
+    assert isinstance(head, GreedyHead)
+    assert head.max_rows in (0, *PROBE_ROWS, sys.maxsize)
+    hidden = torch.randn(5, head.lm_head.in_features)
+    hidden[1] = 0  # every logit tied: the lowest id
+    head.max_rows = 4
+    assert torch.equal(head.tokens(hidden), kernels.argmax(head.lm_head(hidden)))
+    assert torch.equal(head.tokens(hidden[:4]), kernels.argmax(head.lm_head(hidden[:4])))
+
+
 @pytest.mark.parametrize("model", ["tiny_llama", "smollm2"])
 def test_greedy_streams_equal_without_the_head(model: str, request: pytest.FixtureRequest,
                                                make_llm: Callable[..., LLM]) -> None:
@@ -109,7 +124,9 @@ def test_greedy_streams_equal_without_the_head(model: str, request: pytest.Fixtu
              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                             repetition_penalty=1.3)]
     runs = []
-    for head in (runner.greedy_head, None):
+    bound = runner.greedy_head
+    bound.max_rows = sys.maxsize  # every step's rows through the bfloat16 copy, whatever the probe
+    for head in (bound, None):
         runner.greedy_head = head
         runs.append([[list(o.outputs[0].token_ids) for o in llm.generate(
             prompts, params, use_tqdm=False)] for params in (greedy, mixed)])
