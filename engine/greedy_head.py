@@ -83,6 +83,11 @@ class GreedyHead:
             best = rows
         return sys.maxsize
 
+    @property
+    def served(self) -> int | str:
+        """For the start-up log: the most rows it serves ("all"; 0: none)."""
+        return "all" if self.max_rows == sys.maxsize else self.max_rows
+
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``kernels.argmax(self.lm_head(hidden))``: int64 [rows]."""
         if hidden.shape[0] > self.max_rows:

@@ -85,8 +85,7 @@ class LLMEngine:
                     if self.model_runner.attention_body else {}),
                  **({"cpu_linear_rows": self.model_runner.linear_rows,
                      "cpu_decode": "native" if self.model_runner.cpu_decode else "modules",
-                     "greedy_head_rows": (self.model_runner.greedy_head.max_rows
-                                          if self.model_runner.greedy_head else 0)}
+                     "greedy_head_rows": getattr(self.model_runner.greedy_head, "served", 0)}
                     if self.model_runner.linear_rows else {}))
 
     def add_request(self, request_id: str, prompt: str | list[int],
