@@ -16,7 +16,8 @@ Past ``max_rows`` rows the float32 layer computes the tokens instead: the copy's
 compute-bound there, and not every CPU computes bfloat16 faster than float32. An Intel Xeon
 (Emerald Rapids) whose VM hid AMX runs ``vdpbf16ps`` at a quarter of its float32 FMAs' rate,
 half their multiply-adds: SmolLM2's head at 32 rows took 10.3 ms against the float32 layer's
-6.3, at one row 1.0 against 1.9 (2 threads). ``probe`` finds the bound at load.
+6.3, at one row 1.0 against 1.9 (2 threads). ``probe`` finds the bound at load (there, on
+SmolLM2, in 126-143 ms).
 """
 
 import sys
@@ -35,11 +36,10 @@ PROBE_RUNS = 3
 
 
 class GreedyHead:
-    def __init__(self, lm_head: PackedLinear, weights: cpu_greedy.GreedyWeights,
-                 max_rows: int = sys.maxsize) -> None:
+    def __init__(self, lm_head: PackedLinear, weights: cpu_greedy.GreedyWeights) -> None:
         self.lm_head = lm_head
         self.weights = weights
-        self.max_rows = max_rows  # past it the float32 layer serves (``probe``)
+        self.max_rows = sys.maxsize  # past it the float32 layer serves (``bind`` probes it)
 
     @classmethod
     def bind(cls, model: LlamaForCausalLM) -> "GreedyHead | None":
@@ -65,17 +65,15 @@ class GreedyHead:
         than the float32 layer's (``sys.maxsize`` where it led at every count; 0 where it led
         at none), on random states; it stops at the first count it lost."""
         gen = torch.Generator().manual_seed(0)
+        ways = (lambda h: cpu_greedy.tokens(h, self.weights), self._float32_tokens)
         best = 0
         for rows in PROBE_ROWS:
             hidden = torch.randn(rows, self.lm_head.in_features, generator=gen)
-            seconds = [float("inf")] * 2
+            seconds = [float("inf")] * len(ways)
             for run in range(PROBE_RUNS + 1):  # the first: warm-up (the first calls allocate)
-                for i in range(2):
+                for i, way in enumerate(ways):
                     start = time.perf_counter()
-                    if i == 0:
-                        cpu_greedy.tokens(hidden, self.weights)
-                    else:
-                        kernels.argmax(self.lm_head(hidden))
+                    way(hidden)
                     if run:
                         seconds[i] = min(seconds[i], time.perf_counter() - start)
             if seconds[0] > seconds[1]:
@@ -91,9 +89,13 @@ class GreedyHead:
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``kernels.argmax(self.lm_head(hidden))``: int64 [rows]."""
         if hidden.shape[0] > self.max_rows:
-            return kernels.argmax(self.lm_head(hidden))
+            return self._float32_tokens(hidden)
         tokens = cpu_greedy.tokens(hidden, self.weights)
         unsettled = (tokens < 0).nonzero().squeeze(1)
         if unsettled.numel():  # float32 logits of those rows: their bits in any batch
-            tokens[unsettled] = kernels.argmax(self.lm_head(hidden[unsettled].contiguous()))
+            tokens[unsettled] = self._float32_tokens(hidden[unsettled].contiguous())
         return tokens
+
+    def _float32_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of the float32 layer's logits: what ``tokens`` returns, the long way."""
+        return kernels.argmax(self.lm_head(hidden))
