@@ -106,13 +106,25 @@ static void cut_rows(const int64_t *dims, const int32_t *context_lens, int64_t r
     cuts[threads] = rows;
 }
 
+/* Whether a share of `share` rows would take another of cpu_gemv's paths than the batch of
+ * `rows` in some product (the bfloat16 build's AMX tiles past AMX_ROWS rows against its pairs
+ * up to them: their sums differ). */
+static int leaves_path(const int64_t *dims, int64_t rows, int64_t share) {
+    const int64_t inputs[3] = {dims[HIDDEN], dims[HEADS] * dims[HEAD_DIM], dims[INTERMEDIATE]};
+    for (int i = 0; i < 3; i++)
+        if (NAME(pagedq_gemv_tiles)(share, inputs[i]) != NAME(pagedq_gemv_tiles)(rows, inputs[i]))
+            return 1;
+    return 0;
+}
+
 /* x [rows][hidden]: the tokens' embeddings in, the final norm's output out. positions and
  * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
  * included). From split_rows rows a thread on (0: never), each thread runs the whole step on
- * its own share of the rows, alone, with no barrier between the threads; below them every
- * product and attention is split between the threads. Returns the shares the rows ran in (1,
- * or threads where split: what the tests observe), or -1 where scratch memory could not be
- * had (x is then undefined).
+ * its own share of the rows, alone, with no barrier between the threads; below them, or where
+ * a share would take another product path than the batch (leaves_path), every product and
+ * attention is split between the threads. Returns the shares the rows ran in (1, or threads
+ * where split: what the tests observe), or -1 where scratch memory could not be had (x is
+ * then undefined).
  *
  * Why split the rows: with every kernel split, both cores stream the attention's keys at once
  * and then both compute the products, so the memory idles while the FMAs work and the two
@@ -131,12 +143,20 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
                         float scale, float *x, int64_t rows, const int64_t *positions,
                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
                         const int32_t *context_lens, int64_t threads, int64_t split_rows) {
-    if (threads < 2 || split_rows <= 0 || rows < split_rows * threads)
+    int64_t *cuts = 0;
+    if (threads >= 2 && split_rows > 0 && rows >= split_rows * threads) {
+        cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));
+        if (!cuts) return -1;
+        cut_rows(dims, context_lens, rows, threads, cuts);
+        for (int64_t share = 0; cuts && share < threads; share++)
+            if (leaves_path(dims, rows, cuts[share + 1] - cuts[share])) {
+                free(cuts);
+                cuts = 0;
+            }
+    }
+    if (!cuts)
         return decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x, rows, positions,
                            slots, tables, table_stride, context_lens, threads) == 0 ? 1 : -1;
-    int64_t *cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));
-    if (!cuts) return -1;
-    cut_rows(dims, context_lens, rows, threads, cuts);
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t share = 0; share < threads; share++) {

@@ -114,6 +114,18 @@ typedef float input_t;
 #include "cpu_gemv_amx.h"
 #include "cpu_gemv_many.h"
 
+/* Whether a product of `rows` rows of k inputs takes AMX's tiles (the bfloat16 build, where the
+ * CPU has AMX): its sums then differ from the pairs' below AMX_ROWS rows, so a row's bits
+ * depend on the side of AMX_ROWS its batch lies on. 0 in every other build. */
+int NAME(pagedq_gemv_tiles)(int64_t rows, int64_t k) {
+#if AMX
+    return rows > AMX_ROWS && (k + 1) / 2 % 16 == 0 && amx_ready();
+#else
+    (void)rows, (void)k;
+    return 0;
+#endif
+}
+
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of FEW_ROWS_PANELS(rows)
  * panels, and each group's rows in tiles of TILE (its weights read again per tile, from the
@@ -127,7 +139,7 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
 #if PAIRED
     const int64_t steps = (k + 1) / 2, ldin = steps;
 #if AMX
-    const int tiles = rows > AMX_ROWS && steps % 16 == 0 && amx_ready();
+    const int tiles = NAME(pagedq_gemv_tiles)(rows, k);
     const int64_t padded = tiles ? (rows + 31) / 32 * 32 : rows;
 #else
     const int64_t padded = rows;

@@ -88,6 +88,7 @@ static inline __m512 load16_stored(const stored_t *p) {
 int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads);
+int NAME(pagedq_gemv_tiles)(int64_t rows, int64_t k);
 int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq,
                               const stored_t *k_cache, const stored_t *v_cache,
                               const int32_t *table, int64_t t_begin, const int64_t *t_end,
