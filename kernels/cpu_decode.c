@@ -25,7 +25,10 @@ enum { LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, QKV_
 enum { INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE,
        NUM_TENSORS };
 
-/* Every layer and the final norm for `rows` rows on `threads` threads (see pagedq_decode). */
+/* Every layer and the final norm for `rows` rows on `threads` threads (see pagedq_decode). The
+ * row ops take the threads too: cpu_rows.c splits their rows only past PARALLEL_FROM floats,
+ * with a row's bits the same on any thread. At 128 rows of SmolLM2 a layer's norms, rotary and
+ * SiLU took ~240 us on one thread and ~100 on two (a Xeon with AMX), ~4 ms of a 170 ms step. */
 static int decode_rows(const int64_t *dims, const void *const *layers, const float *final_norm,
                        const float *cos, const float *sin, float eps, float scale, float *x,
                        int64_t rows, const int64_t *positions, const int64_t *slots,
@@ -46,16 +49,17 @@ static int decode_rows(const int64_t *dims, const void *const *layers, const flo
         /* layer 0 norms the embeddings, which are the residual; later layers add the last
          * MLP's output to the residual first, as RMSNorm(x, residual) does */
         if (l == 0) {
-            pagedq_rms_norm(x, 0, t[INPUT_NORM], eps, normed, 0, rows, hidden, 1);
+            pagedq_rms_norm(x, 0, t[INPUT_NORM], eps, normed, 0, rows, hidden, threads);
             memcpy(residual, x, sizeof(float) * (size_t)(rows * hidden));
         } else {
-            pagedq_rms_norm(x, residual, t[INPUT_NORM], eps, normed, residual, rows, hidden, 1);
+            pagedq_rms_norm(x, residual, t[INPUT_NORM], eps, normed, residual, rows, hidden,
+                            threads);
         }
         if (NAME(pagedq_gemv)(normed, hidden, rows, t[QKV], t[QKV_BIAS], qkv, qkv_size,
                               qkv_size, hidden, dims[QKV_BLOCK], threads) != 0)
             goto fail;
         pagedq_rotary(qkv, qkv_size, qkv + q_size, qkv_size, cos, sin, positions, q, k, rows,
-                      heads, kv_heads, head_dim, 1);
+                      heads, kv_heads, head_dim, threads);
         NAME(pagedq_store_kv)(k, kv_size, qkv + q_size + kv_size, qkv_size, (stored_t *)t[K_CACHE],
                               (stored_t *)t[V_CACHE], slots, rows, kv_size);
         if (NAME(pagedq_decode_attention)(q, q_size, t[K_CACHE], t[V_CACHE], tables,
@@ -64,16 +68,16 @@ static int decode_rows(const int64_t *dims, const void *const *layers, const flo
             NAME(pagedq_gemv)(attn, q_size, rows, t[O_PROJ], 0, x, hidden, hidden, q_size,
                               dims[O_BLOCK], threads) != 0)
             goto fail;
-        pagedq_rms_norm(x, residual, t[POST_NORM], eps, normed, residual, rows, hidden, 1);
+        pagedq_rms_norm(x, residual, t[POST_NORM], eps, normed, residual, rows, hidden, threads);
         if (NAME(pagedq_gemv)(normed, hidden, rows, t[GATE_UP], 0, gate_up, 2 * inter,
                               2 * inter, hidden, dims[GATE_UP_BLOCK], threads) != 0)
             goto fail;
-        pagedq_silu_and_mul(gate_up, act, rows, inter, 1);
+        pagedq_silu_and_mul(gate_up, act, rows, inter, threads);
         if (NAME(pagedq_gemv)(act, inter, rows, t[DOWN], 0, x, hidden, hidden, inter,
                               dims[DOWN_BLOCK], threads) != 0)
             goto fail;
     }
-    pagedq_rms_norm(x, residual, final_norm, eps, x, residual, rows, hidden, 1);
+    pagedq_rms_norm(x, residual, final_norm, eps, x, residual, rows, hidden, threads);
     free(buffer);
     return 0;
 fail:
