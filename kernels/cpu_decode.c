@@ -152,11 +152,13 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
         cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));
         if (!cuts) return -1;
         cut_rows(dims, context_lens, rows, threads, cuts);
-        for (int64_t share = 0; cuts && share < threads; share++)
-            if (leaves_path(dims, rows, cuts[share + 1] - cuts[share])) {
-                free(cuts);
-                cuts = 0;
-            }
+        int declined = 0;
+        for (int64_t share = 0; share < threads; share++)
+            declined |= leaves_path(dims, rows, cuts[share + 1] - cuts[share]);
+        if (declined) {
+            free(cuts);
+            cuts = 0;
+        }
     }
     if (!cuts)
         return decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x, rows, positions,
