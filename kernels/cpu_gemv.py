@@ -15,6 +15,7 @@ import torch
 from kernels import cpu_native
 
 PANEL = 16
+_MANY_ROWS = 1 << 20  # past any few rows' bound (cpu_gemv.c's AMX_ROWS)
 
 
 def available() -> bool:
@@ -40,8 +41,10 @@ def amx() -> bool:
 
 def tiles(in_features: int, dtype: torch.dtype) -> bool:
     """Whether a layer of ``in_features`` inputs and ``dtype`` panels reaches the tiles past a
-    few rows: AMX here, and its paired steps a multiple of 16."""
-    return _paired(dtype) and amx() and steps(in_features, dtype) % 16 == 0
+    few rows (AMX here, and its paired steps a multiple of 16): the C build's own predicate,
+    ``pagedq_gemv_tiles``, asked of many rows, so the rule is written once."""
+    function = cpu_native.typed("pagedq_gemv_tiles", dtype)
+    return function is not None and bool(function(_MANY_ROWS, in_features))
 
 
 def _paired(dtype: torch.dtype) -> bool:
