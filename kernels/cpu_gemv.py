@@ -30,15 +30,6 @@ def paired() -> bool:
     return function is not None and bool(function())
 
 
-@cache
-def amx() -> bool:
-    """Whether the bfloat16 build takes batches past a few rows to AMX's tiles (the CPU has
-    AMX and the process may use it: ``cpu_gemv.c``), where the layer's paired steps fill
-    whole tiles (``tiles``)."""
-    function = cpu_native.function("pagedq_gemv_amx_bf16")
-    return function is not None and bool(function())
-
-
 def tiles(in_features: int, dtype: torch.dtype) -> bool:
     """Whether a layer of ``in_features`` inputs and ``dtype`` panels reaches the tiles past a
     few rows (AMX here, and its paired steps a multiple of 16): the C build's own predicate,

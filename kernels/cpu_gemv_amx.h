@@ -94,13 +94,3 @@ static void amx_gemv(const input_t *in, int64_t ldin, int64_t rows, const stored
 #endif
 
 #endif
-
-/* Whether pagedq_gemv takes rows past AMX_ROWS to the tiles here (the build has AMX and the
- * process may use it): engine/cpu_linear.py then sends it every decode batch. */
-int NAME(pagedq_gemv_amx)(void) {
-#if AMX
-    return amx_ready();
-#else
-    return 0;
-#endif
-}

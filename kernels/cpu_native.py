@@ -84,13 +84,12 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_greedy": ([_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _P, _F, _F, _I, _I, _P, _I],
                       None),
     "pagedq_bf16_paired": ([], ctypes.c_int),
-    "pagedq_gemv_amx": ([], ctypes.c_int),
     "pagedq_gemv_tiles": ([_I, _I], ctypes.c_int),
 }
 # cpu_bf16.c's build of those that read weights or KV: the same arguments, bfloat16 behind the
 # weights' and pools' pointers
 _BF16 = ("pagedq_decode_attention", "pagedq_prefill", "pagedq_gemv", "pagedq_store_kv",
-         "pagedq_decode", "pagedq_gemv_amx", "pagedq_gemv_tiles")
+         "pagedq_decode", "pagedq_gemv_tiles")
 _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[name] for name in _BF16}
 # the element types those functions' weights and pools come in, and the name of each's build
 _TYPED = {torch.float32: "", torch.bfloat16: "_bf16"}

@@ -114,7 +114,7 @@ def test_gemv_over_bf16_panels(rows: int, in_features: int,
     torch.testing.assert_close(got, x @ weight.float().T + bias, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not cpu_gemv.amx(), reason="no AMX tiles on this CPU")
+@pytest.mark.skipif(not cpu_gemv.tiles(512, torch.bfloat16), reason="no AMX tiles on this CPU")
 @pytest.mark.parametrize(("in_features", "out_features"), [(512, 1024), (576, 33), (1536, 576)])
 def test_gemv_past_a_few_rows_takes_amx_tiles_the_same_in_any_batch(
         in_features: int, out_features: int) -> None:
