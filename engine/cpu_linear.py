@@ -16,6 +16,7 @@ AVX-NE-CONVERT; elsewhere (AVX2) its float32 product of the rounded weights serv
 """
 
 import sys
+import time
 
 import torch
 from torch import nn
@@ -33,11 +34,20 @@ _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe fou
 # behind past them (an AMD EPYC Zen 3, random-26m's 32 layers: 64 rows 31.8 against 34.3 ms,
 # 128 rows 74.7 against 64.6).
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
-# float32 weights on AVX-512: every batch, a prefill's too: past 128 rows cpu_gemv's 6 x 4
-# tiles, the rows split between the threads, lead oneDNN's packed product (SmolLM2's four
-# shapes, 30 layers cold, 2 threads, a Xeon with AMX: 256 rows 307-313 against 288 GFLOP/s,
-# 2,048 rows 320-329 against 304), with its bits (cpu_gemv_many.h).
+# float32 weights on AVX-512: every batch, a prefill's too, where past GEMV_ROWS rows
+# cpu_gemv's 6 x 4 tiles (the rows split between the threads, cpu_gemv_many.h) ran faster than
+# oneDNN's packed product at load (``_prefill_rows``): they give the same bits, but which leads
+# depends on the machine. SmolLM2's four shapes, cold, 2 threads: a Xeon with AMX (model 167),
+# 256 rows 307-313 against oneDNN's 288 GFLOP/s, 2,048 rows 320-329 against 304; an Emerald
+# Rapids Xeon (model 207) whose memory feeds a core 11-13 GB/s, 512 rows 207 against 237,
+# 2,048 rows 205-224 against 232-257, and 32 prompts of 256 tokens prefilled in 8.43 s against
+# 9.40 (medians of 4 alternating) with oneDNN past GEMV_ROWS.
 F32_ROWS = sys.maxsize if cpu_native.cpu_has("avx512f") else GEMV_ROWS
+PREFILL_PROBE_ROWS = 512
+# larger layers (an output layer's vocabulary) keep cpu_gemv unprobed: they take a step's
+# sampling rows, seldom past GEMV_ROWS, and their probe would cost ~0.1 s a run
+PREFILL_PROBE_WEIGHTS = 1 << 23
+_PREFILL_ROWS: dict[tuple[int, int], int] = {}  # (in, out) -> the gemv_rows the probe chose
 ONEDNN_BF16 = (torch.backends.mkldnn.is_available()
                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 # bfloat16 weights where oneDNN has AMX tiles: past a few rows its product leads cpu_gemv's
@@ -93,6 +103,29 @@ class PackedLinear(DirectModule):
         many_rows = self.onednn_product(probe)
         self.pad_single_row = not torch.equal(self.onednn_product(probe[:1]), many_rows[:1])
         self.panels, self.block = self._find_gemv(linear, probe, many_rows)
+        if (self.panels is not None and F32_ROWS > GEMV_ROWS
+                and self.in_features * self.out_features <= PREFILL_PROBE_WEIGHTS):
+            self.gemv_rows = self._prefill_rows()
+
+    def _prefill_rows(self) -> int:
+        """F32_ROWS where cpu_gemv's product of PREFILL_PROBE_ROWS rows took less than 1.05x
+        oneDNN's (best of 3, alternating), else GEMV_ROWS; once a shape in a process."""
+        shape = (self.in_features, self.out_features)
+        if shape not in _PREFILL_ROWS:
+            panels = self.panels
+            assert panels is not None
+            x = torch.randn(PREFILL_PROBE_ROWS, self.in_features,
+                            generator=torch.Generator().manual_seed(0))
+            ways = (lambda: cpu_gemv.gemv(x, panels, self.bias, self.out_features, self.block),
+                    lambda: self.onednn_product(x))
+            best = [float("inf")] * len(ways)
+            for _ in range(3):
+                for way, product in enumerate(ways):
+                    start = time.perf_counter()
+                    product()
+                    best[way] = min(best[way], time.perf_counter() - start)
+            _PREFILL_ROWS[shape] = F32_ROWS if best[0] < 1.05 * best[1] else GEMV_ROWS
+        return _PREFILL_ROWS[shape]
 
     def _find_gemv(self, linear: nn.Linear, probe: torch.Tensor,
                    many_rows: torch.Tensor) -> tuple[torch.Tensor | None, int]:
@@ -136,7 +169,8 @@ class PackedLinear(DirectModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """A row's product has the same bits in any batch. Up to ``gemv_rows`` rows
-        (``GEMV_ROWS``; any batch of float32 weights on AVX-512, ``F32_ROWS``) go to
+        (``GEMV_ROWS``; float32 weights on AVX-512 any batch, ``F32_ROWS``, where the probe
+        found cpu_gemv's many rows the faster) go to
         ``cpu_gemv`` where the probe found its block: at one row it streams the weights at 2x
         oneDNN's rate (SmolLM2's layers, 2 threads, an AMD EPYC), and to 64 rows it kept pace
         with oneDNN or led (8 rows: 3.55 against 4.12 ms over SmolLM2's five shapes, a Xeon).
