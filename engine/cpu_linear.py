@@ -16,13 +16,13 @@ AVX-NE-CONVERT; elsewhere (AVX2) its float32 product of the rounded weights serv
 """
 
 import sys
-import time
 
 import torch
 from torch import nn
 
 from engine.cpu_malloc import HugePageArena
 from engine.direct_module import DirectModule
+from engine.timing import best_seconds
 from kernels import cpu_gemv, cpu_native
 
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
@@ -40,8 +40,8 @@ GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
 # depends on the machine. SmolLM2's four shapes, cold, 2 threads: a Xeon with AMX (model 167),
 # 256 rows 307-313 against oneDNN's 288 GFLOP/s, 2,048 rows 320-329 against 304; an Emerald
 # Rapids Xeon (model 207) whose memory feeds a core 11-13 GB/s, 512 rows 207 against 237,
-# 2,048 rows 205-224 against 232-257, and 32 prompts of 256 tokens prefilled in 8.43 s against
-# 9.40 (medians of 4 alternating) with oneDNN past GEMV_ROWS.
+# 2,048 rows 205-224 against 232-257, and 32 prompts of 256 tokens prefilled in 8.60 s against
+# 10.13 (medians of 4 alternating) with this choice.
 F32_ROWS = sys.maxsize if cpu_native.cpu_has("avx512f") else GEMV_ROWS
 PREFILL_PROBE_ROWS = 512
 # larger layers (an output layer's vocabulary) keep cpu_gemv unprobed: they take a step's
@@ -109,21 +109,16 @@ class PackedLinear(DirectModule):
 
     def _prefill_rows(self) -> int:
         """F32_ROWS where cpu_gemv's product of PREFILL_PROBE_ROWS rows took less than 1.05x
-        oneDNN's (best of 3, alternating), else GEMV_ROWS; once a shape in a process."""
+        oneDNN's (``best_seconds`` of 3), else GEMV_ROWS; once a shape in a process."""
         shape = (self.in_features, self.out_features)
         if shape not in _PREFILL_ROWS:
             panels = self.panels
             assert panels is not None
             x = torch.randn(PREFILL_PROBE_ROWS, self.in_features,
                             generator=torch.Generator().manual_seed(0))
-            ways = (lambda: cpu_gemv.gemv(x, panels, self.bias, self.out_features, self.block),
-                    lambda: self.onednn_product(x))
-            best = [float("inf")] * len(ways)
-            for _ in range(3):
-                for way, product in enumerate(ways):
-                    start = time.perf_counter()
-                    product()
-                    best[way] = min(best[way], time.perf_counter() - start)
+            best = best_seconds((lambda: cpu_gemv.gemv(x, panels, self.bias, self.out_features,
+                                                       self.block),
+                                 lambda: self.onednn_product(x)), 3)
             _PREFILL_ROWS[shape] = F32_ROWS if best[0] < 1.05 * best[1] else GEMV_ROWS
         return _PREFILL_ROWS[shape]
 

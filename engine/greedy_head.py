@@ -21,13 +21,14 @@ SmolLM2, in 126-143 ms).
 """
 
 import sys
-import time
+from functools import partial
 
 import torch
 
 import kernels
 from engine.cpu_linear import PackedLinear
 from engine.models import LlamaForCausalLM
+from engine.timing import best_seconds
 from kernels import cpu_greedy
 
 # the row counts ``probe`` times, the two ways alternating, best of PROBE_RUNS each
@@ -65,17 +66,11 @@ class GreedyHead:
         than the float32 layer's (``sys.maxsize`` where it led at every count; 0 where it led
         at none), on random states; it stops at the first count it lost."""
         gen = torch.Generator().manual_seed(0)
-        ways = (lambda h: cpu_greedy.tokens(h, self.weights), self._float32_tokens)
         best = 0
         for rows in PROBE_ROWS:
             hidden = torch.randn(rows, self.lm_head.in_features, generator=gen)
-            seconds = [float("inf")] * len(ways)
-            for run in range(PROBE_RUNS + 1):  # the first: warm-up (the first calls allocate)
-                for i, way in enumerate(ways):
-                    start = time.perf_counter()
-                    way(hidden)
-                    if run:
-                        seconds[i] = min(seconds[i], time.perf_counter() - start)
+            seconds = best_seconds((partial(cpu_greedy.tokens, hidden, self.weights),
+                                    partial(self._float32_tokens, hidden)), PROBE_RUNS)
             if seconds[0] > seconds[1]:
                 return best
             best = rows
