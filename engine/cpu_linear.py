@@ -105,15 +105,13 @@ class PackedLinear(DirectModule):
         self.panels, self.block = self._find_gemv(linear, probe, many_rows)
         if (self.panels is not None and F32_ROWS > GEMV_ROWS
                 and self.in_features * self.out_features <= PREFILL_PROBE_WEIGHTS):
-            self.gemv_rows = self._prefill_rows()
+            self.gemv_rows = self._prefill_rows(self.panels)
 
-    def _prefill_rows(self) -> int:
+    def _prefill_rows(self, panels: torch.Tensor) -> int:
         """F32_ROWS where cpu_gemv's product of PREFILL_PROBE_ROWS rows took less than 1.05x
         oneDNN's (``best_seconds`` of 3), else GEMV_ROWS; once a shape in a process."""
         shape = (self.in_features, self.out_features)
         if shape not in _PREFILL_ROWS:
-            panels = self.panels
-            assert panels is not None
             x = torch.randn(PREFILL_PROBE_ROWS, self.in_features,
                             generator=torch.Generator().manual_seed(0))
             best = best_seconds((lambda: cpu_gemv.gemv(x, panels, self.bias, self.out_features,
