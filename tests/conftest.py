@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM  # noqa: E402
+from engine import LLM, RequestDelta  # noqa: E402
 from engine.context import Context, set_context  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
@@ -63,6 +63,15 @@ def run_modules(runner: ModelRunner, ids: torch.Tensor, positions: torch.Tensor,
         return runner.model(ids, positions)
     finally:
         set_context(None)
+
+
+def drain(engine: LLMEngine) -> dict[str, list[RequestDelta]]:
+    """Steps the engine until it has nothing left; each request's deltas in order."""
+    events: dict[str, list[RequestDelta]] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            events.setdefault(delta.request_id, []).append(delta)
+    return events
 
 
 def assert_pool_whole(engine: LLMEngine) -> None:

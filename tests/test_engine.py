@@ -1,20 +1,12 @@
 """Engine invariants through the offline and step APIs: aborts free the pool at once, the n
 samples of a job share the prompt's blocks, seeded sampling ignores the batch, bad input gets a
-clear error and the engine keeps working."""
+clear error and the engine keeps working, the KV pool is sized from its memory budget (or
+reserved whole at start). A token's bits however it is computed: test_engine_bits."""
 
 import pytest
-import torch
 
 from engine import SamplingParams
-from tests.conftest import assert_pool_whole, hf_greedy, run_modules
-
-
-def _run(engine) -> dict[str, list]:
-    events: dict[str, list] = {}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            events.setdefault(delta.request_id, []).append(delta)
-    return events
+from tests.conftest import assert_pool_whole, drain, hf_greedy
 
 
 def test_abort_mid_prefill_and_mid_decode(tiny_llama, make_llm) -> None:
@@ -88,7 +80,7 @@ def test_step_deltas_concatenate_to_the_output(tiny_llama, make_llm) -> None:
     engine = llm.engine
     params = SamplingParams(n=2, temperature=0.8, max_tokens=40, seed=9, stop=["the"])
     engine.add_request("r", "The queue worker pulls a job", params)
-    deltas = _run(engine)["r"]
+    deltas = drain(engine)["r"]
     assert deltas[-1].finished
     expected = llm.generate(["The queue worker pulls a job"], params, use_tqdm=False)[0]
     for sample in expected.outputs:
@@ -147,7 +139,7 @@ def test_resume_continues_the_stream_exactly(tiny_llama, make_llm, steps) -> Non
     prompt = "深度学习模型 streams tokens 🙂"
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=11, stop=["ing"])
     engine.add_request("whole", prompt, params)
-    whole = _run(engine)["whole"]
+    whole = drain(engine)["whole"]
     engine.add_request("cut", prompt, params)
     published: dict[int, tuple[list[int], str, bool]] = {}
     for _ in range(steps):
@@ -162,7 +154,7 @@ def test_resume_continues_the_stream_exactly(tiny_llama, make_llm, steps) -> Non
     if all(r is None for r in resume):
         return
     engine.add_request("cut", prompt, params, resume=resume)
-    for delta in _run(engine)["cut"]:
+    for delta in drain(engine)["cut"]:
         for s in delta.samples:
             ids, text, _ = published.get(s.index, ([], "", False))
             published[s.index] = (ids + s.token_ids, text + s.text, s.finished)
@@ -182,7 +174,7 @@ def test_final_only_deltas_carry_the_text_whole_at_the_end(tiny_llama, make_llm)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
     engine.add_request("streamed", "深度学习 🙂", params)
     engine.add_request("final", "深度学习 🙂", params, final_only=True)
-    runs = _run(engine)
+    runs = drain(engine)
     for i in range(2):
         streamed = [s for d in runs["streamed"] for s in d.samples if s.index == i]
         final = [s for d in runs["final"] for s in d.samples if s.index == i]
@@ -229,68 +221,3 @@ def test_a_reserved_pool_is_written_whole_at_start_and_generates_the_same(
     assert not pool[:, :, 1:].any()
     assert ([o.outputs[0].token_ids for o in reserved.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
-
-
-def test_a_token_has_the_same_bits_however_it_is_computed(tmp_path, make_llm) -> None:
-    """Decoded, recomputed after a resume, or prefilled in other chunks, a token's logprobs are
-    the same floats: so a seeded draw cannot flip where two tokens are nearly tied (the chaos
-    test once saw a top-p draw flip on logits 1.4e-6 apart). An MLP wider than 1,024 takes
-    oneDNN's other one-row path."""
-    from engine.llm_engine import Resume
-    from engine.random_model import build_random_checkpoint
-
-    model = build_random_checkpoint(tmp_path / "wide", "llama", intermediate_size=1280)
-    params = SamplingParams(n=2, temperature=0.9, top_p=0.8, seed=5, max_tokens=24,
-                            ignore_eos=True, logprobs=3)
-    prompt = [7 + (i * 13) % 400 for i in range(90)]
-    whole = make_llm(model, max_num_batched_tokens=512).engine
-    whole.add_request("r", prompt, params)
-    chunked = make_llm(model, max_num_batched_tokens=32).engine  # 3 prompt chunks
-    chunked.add_request("r", prompt, params)
-    runs = [_samples(whole), _samples(chunked)]
-    for cut in (1, 6, 17):
-        whole.add_request(f"cut{cut}", prompt, params, resume=[
-            Resume(runs[0][i][0][:cut], 0) for i in range(2)])
-        resumed = _samples(whole)
-        assert resumed == {i: (ids[cut:], logprobs[cut:])
-                           for i, (ids, logprobs) in runs[0].items()}, cut
-    assert runs[1] == runs[0]
-
-
-def _samples(engine) -> dict[int, tuple[list[int], list[dict[int, float]]]]:
-    """Each sample's tokens and logprobs from one finished request."""
-    out: dict[int, tuple[list[int], list[dict[int, float]]]] = {}
-    for deltas in _run(engine).values():
-        for delta in deltas:
-            for s in delta.samples:
-                ids, logprobs = out.setdefault(s.index, ([], []))
-                ids += s.token_ids
-                logprobs += s.logprobs or []
-    return out
-
-
-def test_the_last_layer_computes_the_rows_that_sample_with_the_whole_batchs_bits(
-        tiny_llama, make_llm) -> None:
-    """A prefill's last layer runs past its attention only on the rows that sample (the
-    model's ``output_rows``): their hidden states are the bits every row computed gives, and
-    every row's KV is still stored. Two prompts in one step, the second cut short of its end by
-    the token budget (it samples nothing)."""
-    llm = make_llm(tiny_llama, max_num_batched_tokens=64)
-    engine, runner = llm.engine, llm.engine.model_runner
-    engine.add_request("a", [7 + (i * 13) % 300 for i in range(40)], SamplingParams(max_tokens=2))
-    engine.add_request("b", [9 + (i * 11) % 300 for i in range(30)], SamplingParams(max_tokens=2))
-    step, sampled = runner._gather(engine.scheduler.schedule())
-    # the shorter prompt goes first (shortest prefill first) and samples; the other is cut
-    assert [s.request_id for s in sampled] == ["b"] and len(step.input_ids) == 64
-    with torch.inference_mode():
-        runner.kv_cache.zero_()  # the slots neither run writes: equal (a pool may reuse memory)
-        kept = runner._forward(step, None)
-        pool = runner.kv_cache.clone()
-        runner.kv_cache.zero_()
-        every = run_modules(runner, torch.tensor(step.input_ids), torch.tensor(step.positions),
-                            runner._context(step))
-    assert kept.shape == (1, every.shape[1])
-    assert torch.equal(kept, every[step.logit_rows])
-    assert torch.equal(runner.kv_cache, pool)  # the same KV, every layer's, every row's
-    for request_id in ("a", "b"):
-        engine.abort(request_id)
