@@ -172,12 +172,20 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
             lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
         /* The next group's weights are asked of the memory while this group's FMAs run, a
          * line of 64 bytes an input: with 1 tile, its first two panels in that tile (AVX2's
-         * groups of 3 for 2 rows leave the third to the hardware's prefetch); with 2, a
-         * panel in each; from 3 on, all of it in the tiles after the first, which compute on
-         * this group's weights from the cache. Without it the memory and the FMAs had taken
-         * turns (SmolLM2's 121 layers, cold, 2 threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8
-         * ms, 16 rows 17.1 -> 12.7, 32 rows 26.0 -> 18.5-21, 64 rows 41.8 -> 36.5; one row,
-         * which computes too little to wait on the memory, gained nothing and is left out) */
+         * groups of 3 for 2 rows leave the third to the hardware's prefetch); with 2, half
+         * in each; from 3 on, shared evenly by the tiles after the first, which compute on
+         * this group's weights from the cache; each tile spreads its share over its steps.
+         * Without it the memory and the FMAs had taken turns (SmolLM2's 121 layers, cold, 2
+         * threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8 ms, 16 rows 17.1 -> 12.7, 32 rows
+         * 26.0 -> 18.5-21, 64 rows 41.8 -> 36.5; one row, which computes too little to wait on
+         * the memory, gained nothing and is left out). Spread, not asked a line a step in one
+         * tile (AVX2's group of one panel had given a whole panel to tile 1, at the rate of
+         * its FMAs' reading from L1: ~32 GB/s a core); SmolLM2's 120 layers, cold, an AMD
+         * EPYC Zen 3, medians of 20 alternating in one process: 8 rows on 2 threads 37.2 ->
+         * 33.5 ms (ahead 20 of 20), 16 rows on 1 thread 88.0 -> 84.1 (20/20), on 2 49.3 ->
+         * 46.1 (17/20), 32 rows on 2 91.6 -> 90.5 (14/20). AVX-512's float32 products of
+         * more than TILE rows are chunked(); its bfloat16 build's 4 tiles or more now share
+         * too (not measured). */
         const char *next = (const char *)(w + (p0 + group) * steps * STEP_ELEMS);
         const int64_t next_panels = panels - p0 - np < group ? panels - p0 - np : group;
         const int64_t lines = g + 1 < groups && rows > 1
@@ -190,8 +198,11 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
                 na = lines < steps ? lines : steps;
                 b = steps, nb = lines - na;
             } else if (tiles == 2 || t > 0) {
-                a = tiles == 2 ? t * steps : (t - 1) * steps;
-                na = lines - a < steps ? lines - a : steps;
+                const int64_t share = tiles == 2 ? 2 : tiles - 1, first = tiles == 2 ? 0 : 1;
+                const int64_t per = (lines + share - 1) / share;
+                a = (t - first) * per;
+                na = lines - a < per ? lines - a : per;
+                if (na > steps) na = steps;
             }
             const int64_t r0 = t * TILE;
             any_tile(in + r0 * ldin, ldin, rows - r0 < TILE ? rows - r0 : TILE, np,

@@ -32,23 +32,32 @@ static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t
 #define HOLD(v) __asm__("" : "+x"((v).lo), "+x"((v).hi))
 #endif
 
+/* Asks the memory for pf's next line where step i is due one: a tile's pf_lines lines spread
+ * evenly over its k steps, one every `every` (1 where they are as many as the steps). */
+static inline void ask_spread(const char *pf, int64_t pf_lines, int64_t every, int64_t i,
+                              int64_t *done) {
+    if (*done < pf_lines && i == *done * every) _mm_prefetch(pf + (*done)++ * 64, _MM_HINT_T0);
+}
+
 /* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
- * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. Step i also
- * asks the memory for the lines pf + i * 64 and pf2 + i * 64, for i below pf_lines and
- * pf2_lines (see pagedq_gemv). */
+ * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. The tile also
+ * asks the memory for pf_lines lines from pf, spread over its steps (ask_spread), and step i
+ * for the line pf2 + i * 64 where i is below pf2_lines (see pagedq_gemv). */
 static inline __attribute__((always_inline)) void tile(
         const input_t *x, int64_t ldx, const int rows, const int panels, const stored_t *w,
         const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
         const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
         int64_t pf2_lines) {
     vec16 total[TILE][MAX_PANELS];
+    const int64_t pf_every = pf_lines > 0 && k / pf_lines > 1 ? k / pf_lines : 1;
+    int64_t pf_done = 0;
 #if PAIRED
     (void)block;
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < panels; j++) total[r][j] = zero16();
     for (int64_t i = 0; i < k; i++) {
         __m512i wv[MAX_PANELS];
-        if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+        ask_spread(pf, pf_lines, pf_every, i, &pf_done);
         if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
         for (int j = 0; j < panels; j++) wv[j] = _mm512_loadu_si512(w + (j * k + i) * 32);
         for (int r = 0; r < rows; r++) {
@@ -65,7 +74,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int j = 0; j < panels; j++) part[r][j] = zero16();
         for (int64_t i = k0; i < k1; i++) {
             vec16 wv[MAX_PANELS];
-            if (i < pf_lines) _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+            ask_spread(pf, pf_lines, pf_every, i, &pf_done);
             if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
             for (int j = 0; j < panels; j++) {
                 wv[j] = load16_w(w + j * k * 16 + i * 16);
