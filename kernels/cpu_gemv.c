@@ -198,11 +198,12 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
                 na = lines < steps ? lines : steps;
                 b = steps, nb = lines - na;
             } else if (tiles == 2 || t > 0) {
-                const int64_t share = tiles == 2 ? 2 : tiles - 1, first = tiles == 2 ? 0 : 1;
+                /* per <= steps: lines are a line a step for each of the group's panels, and
+                 * a group of 2 tiles or more has no more panels (AVX2 1, AVX-512 2) than share */
+                const int64_t first = tiles == 2 ? 0 : 1, share = tiles - first;
                 const int64_t per = (lines + share - 1) / share;
                 a = (t - first) * per;
                 na = lines - a < per ? lines - a : per;
-                if (na > steps) na = steps;
             }
             const int64_t r0 = t * TILE;
             any_tile(in + r0 * ldin, ldin, rows - r0 < TILE ? rows - r0 : TILE, np,
