@@ -178,7 +178,21 @@ int NAME(pagedq_attend_parts)(const float *restrict q, int64_t ldq, int64_t nq,
             const float top = max_of(row_s, length);
             const __m256 tv = _mm256_set1_ps(top);
             __m256 total = _mm256_setzero_ps();
-            for (int64_t t0 = 0; t0 < padded; t0 += 8) {
+            int64_t t0 = 0;
+#ifdef __AVX512F__
+            /* 16 at a time, each half added to the 8 lanes in turn: exp8's bits, its sums */
+            for (; t0 + 16 <= padded; t0 += 16) {
+                const __mmask16 live = length - t0 >= 16 ? 0xffff
+                                       : (__mmask16)((1u << (length - t0)) - 1);
+                const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(
+                    _mm512_loadu_ps(row_s + t0), _mm512_set1_ps(top))));
+                _mm512_storeu_ps(row_s + t0, e);
+                total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+                total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                    _mm512_castps_pd(e), 1)));
+            }
+#endif
+            for (; t0 < padded; t0 += 8) {
                 const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
                     _mm256_set1_epi32((int)(length - t0)), lane));
                 const __m256 e = _mm256_and_ps(
