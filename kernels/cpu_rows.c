@@ -91,8 +91,18 @@ static inline __m256 silu_mul8(__m256 gate, __m256 up) {
     return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
 }
 
+#ifdef __AVX512F__
+/* silu_mul8 on 16 lanes, each lane's bits silu_mul8's (exp16) */
+static inline __m512 silu_mul16(__m512 gate, __m512 up) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+    return _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), up);
+}
+#endif
+
 /* x [rows][2 * size]: gate then up; out [rows][size]. The tail goes through the same 8 lanes,
- * padded, so every element takes the one formula. */
+ * padded, so every element takes the one formula; with AVX-512, 16 lanes at a time before it
+ * (SmolLM2's 2,048 x 1,536, 2 threads, an AMD EPYC Zen 5: 0.97-1.08 -> 0.74-0.75 ms, the
+ * same bits, specials included). */
 void pagedq_silu_and_mul(const float *x, float *out, int64_t rows, int64_t size,
                          int64_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * size >= PARALLEL_FROM)
@@ -100,6 +110,11 @@ void pagedq_silu_and_mul(const float *x, float *out, int64_t rows, int64_t size,
         const float *gate = x + r * 2 * size, *up = gate + size;
         float *o = out + r * size;
         int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= size; i += 16)
+            _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(gate + i),
+                                               _mm512_loadu_ps(up + i)));
+#endif
         for (; i + 8 <= size; i += 8)
             _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(gate + i),
                                               _mm256_loadu_ps(up + i)));
