@@ -129,52 +129,51 @@ static inline __m256 sum8(const __m256 *a) {
                          _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* exp of 8 floats (Cephes' expf: 2^n times a degree-7 polynomial; within 2 ulp of the true
- * value for -87.3 <= x <= 88, 0 below, where it would leave float's normal range, and exp(88)
- * above, where 2^n would overflow the exponent's bits). */
+/* Cephes' expf for x already clamped to [-87.3, 88]: 2^n times a degree-7 polynomial of the
+ * remainder, within 2 ulp of the true value. One body for every vector width (P the
+ * intrinsics' prefix, W their width in bits, FLOOR theirs), so that each lane's bits are the
+ * same at any width: every step is lane-wise. */
+#define DEFINE_EXP_CLAMPED(name, V, VI, P, W, FLOOR)                                          \
+    static inline V name(V x) {                                                              \
+        const V n = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f),                 \
+                                       P##_set1_ps(0.5f)));                                  \
+        x = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                  \
+        x = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), x);                               \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                               \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                               \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                               \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                               \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                               \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)));             \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), \
+                                    23);                                                     \
+        return P##_mul_ps(y, P##_castsi##W##_ps(e));                                         \
+    }
+DEFINE_EXP_CLAMPED(exp8_clamped, __m256, __m256i, _mm256, 256, _mm256_floor_ps)
+
+/* exp of 8 floats (exp8_clamped: 0 below -87.3, where it would leave float's normal range,
+ * and exp(88) above, where 2^n would overflow the exponent's bits). */
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3f);
     const __m256 below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                               _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                         _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    return _mm256_andnot_ps(below, exp8_clamped(x));
 }
 
 #ifdef __AVX512F__
-/* exp8's arithmetic on 16 lanes: each lane's bits are exp8's (every step is lane-wise, and
- * floor is roundscale toward minus infinity). */
+#define FLOOR16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+DEFINE_EXP_CLAMPED(exp16_clamped, __m512, __m512i, _mm512, 512, FLOOR16)
+#undef FLOOR16
+
+/* exp8 on 16 lanes, each lane's bits exp8's */
 static inline __m512 exp16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.3f);
     const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
-                                                    _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
-                                                         _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~below, y, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps((__mmask16)~below, exp16_clamped(x));
 }
 #endif
+#undef DEFINE_EXP_CLAMPED
 
 #endif
