@@ -110,9 +110,9 @@ static inline void scores_over_columns(const float *qs, int64_t nq, const float 
             const float *qp[SCORE_R];
             float *out[SCORE_R];
             int R = 0;
-            for (int64_t i = 0; i < nq; i++)
-                for (int64_t g = h * group; t0 < t_end[i] - t_begin && g < (h + 1) * group;
-                     g++) {
+            for (int64_t i = 0; i < nq; i++) {
+                if (t0 >= t_end[i] - t_begin) continue; /* query i's keys end before t0 */
+                for (int64_t g = h * group; g < (h + 1) * group; g++) {
                     qp[R] = qs + i * qsize + g * head_dim;
                     out[R++] = scores + (i * num_heads + g) * stride + t0;
                     if (R == SCORE_R) {
@@ -120,6 +120,7 @@ static inline void scores_over_columns(const float *qs, int64_t nq, const float 
                         R = 0;
                     }
                 }
+            }
             if (R > 0) score_blocks(qp, col, group_stride, head_dim, R, C, out);
         }
 }

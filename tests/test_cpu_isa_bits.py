@@ -25,8 +25,9 @@ torch.save(outputs(torch.load(sys.argv[1])), sys.argv[2])
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    """SmolLM2's attention shapes (9 query heads on 3 KV heads of 64), prompts of 530 (over two
-    chunks of 256), 77 and 1 tokens after cached prefixes, every one's last token decoded too;
+    """SmolLM2's attention shapes (9 query heads on 3 KV heads of 64): a 530-token prompt (over
+    two chunks of 256), and 77 and 1 tokens after cached prefixes, every one's last token
+    decoded too;
     rows of gate/up with infinities, NaN and the exponential's clamps at their edges."""
     gen = torch.Generator().manual_seed(42)
     block, contexts, queries = 16, [530, 120, 9], [530, 77, 1]
