@@ -62,7 +62,7 @@ class ModelRunner:
         # decode steps (up to CpuDecode.max_rows sequences) as one native call on the CPU,
         # where it binds
         self.cpu_decode = CpuDecode.bind(self.model, block_size) if device.type == "cpu" else None
-        # greedy steps' tokens from a bfloat16 copy of the output layer and a bound, where it
+        # greedy steps' tokens from a low-precision copy of the output layer and a bound, where it
         # binds (float32 panels on the CPU)
         self.greedy_head = GreedyHead.bind(self.model) if device.type == "cpu" else None
         self.graphs = None

@@ -1,9 +1,9 @@
-/* A greedy step's tokens without the float32 output layer: approximate logits from a bfloat16
- * copy of its weights (half the bytes, AMX's or AVX-512 BF16's rate), a proven bound on how
- * far each can be from the float32 logit, and the float32 logits of the few tokens the bound
- * cannot rule out, computed in cpu_gemv.c's order, so that they have the bits of the float32
- * layer in any batch. Compiled at first use by kernels/cpu_native.py; called by
- * kernels/cpu_greedy.py, which states the bound.
+/* A greedy step's tokens without the float32 output layer: approximate logits from a copy of
+ * its weights (bfloat16: half the bytes, AMX's or AVX-512 BF16's rate; int8: cpu_screen.c), a
+ * proven bound on how far each can be from the float32 logit, and the float32 logits of the
+ * few tokens the bound cannot rule out, computed in cpu_gemv.c's order, so that they have the
+ * bits of the float32 layer in any batch. Compiled at first use by kernels/cpu_native.py;
+ * called by kernels/cpu_greedy.py, which states the bound.
  *
  * Why: the output layer (SmolLM2's 49,152 x 576) was the largest product of a decode step: at
  * 32 rows 7.2 ms of float32 against 2.9 for the bfloat16 copy, at one row 4.1 against 2.6 (a
@@ -23,7 +23,7 @@
 /* ||x - x'||: x' the inputs as the bfloat16 product takes them (rounded to nearest even, and
  * an input whose bfloat16 is below float's normal range counted whole: the instructions take
  * such inputs as zero) */
-static double rounding_norm(const float *x, int64_t k) {
+static double bf16_rounding_norm(const float *x, int64_t k) {
     double sum = 0.0;
     for (int64_t i = 0; i < k; i++) {
         const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
@@ -33,6 +33,13 @@ static double rounding_norm(const float *x, int64_t k) {
         sum += d * d;
     }
     return sqrt(sum);
+}
+
+/* rounding[r]: ||x - x'|| of row r (bf16_rounding_norm), rounded up */
+void pagedq_bf16_rounding(const float *x, int64_t ldx, int64_t rows, int64_t k,
+                          float *rounding) {
+    for (int64_t r = 0; r < rows; r++)
+        rounding[r] = (float)(bf16_rounding_norm(x + r * ldx, k) * (1.0 + 1e-6));
 }
 
 /* Output j of x times the float32 weights in cpu_gemv.c's order: K in blocks of `block`
@@ -63,11 +70,11 @@ static inline float bound(float a, float p, float q, float nx, float nd) {
 
 /* Row r's token: tokens[r] = the lowest id of the highest float32 logit, or -1 where the
  * approximation cannot settle it here (a non-finite value, more than max_candidates tokens
- * within the bound). approx [rows][vocab] (row stride ld_approx): the bfloat16 copy's
- * products; w and strides: the float32 weights (exact_logit); p and q [vocab]: the float32
- * logit of token j is within |x| * p[j] + |x - x'| * q[j] of its approximation (x' as
- * rounding_norm; `rounded` says whether the bfloat16 product rounds its inputs;
- * kernels/cpu_greedy.py derives p and q), p_max and q_max their highest.
+ * within the bound). approx [rows][vocab] (row stride ld_approx): the copy's products; w
+ * and strides: the float32 weights (exact_logit); p and q [vocab]: the float32 logit of token
+ * j is within |x| * p[j] + |x - x'| * q[j] of its approximation, x' the inputs as the copy's
+ * product took them (kernels/cpu_greedy.py derives p and q), p_max and q_max their highest;
+ * rounding[rows]: each row's |x - x'| rounded up (NULL: x' is x).
  *
  * The float32 logit of the approximation's best is a lower bound of the highest; a token
  * whose upper bound is below the best float32 logit found so far cannot be the argmax, nor
@@ -77,7 +84,7 @@ static inline float bound(float a, float p, float q, float nx, float nd) {
 void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *approx,
                    int64_t ld_approx, int64_t vocab, const float *w, const int64_t *strides,
                    int64_t k, int64_t block, const float *p, const float *q, float p_max,
-                   float q_max, int64_t rounded, int64_t max_candidates, int64_t *tokens,
+                   float q_max, const float *rounding, int64_t max_candidates, int64_t *tokens,
                    int64_t threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -85,7 +92,7 @@ void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *appro
         double norm = 0.0;
         for (int64_t i = 0; i < k; i++) norm += (double)xr[i] * xr[i];
         const float nx = (float)(sqrt(norm) * (1.0 + 1e-6));
-        const float nd = rounded ? (float)(rounding_norm(xr, k) * (1.0 + 1e-6)) : 0.0f;
+        const float nd = rounding ? rounding[r] : 0.0f;
         tokens[r] = -1;
         const int64_t whole = vocab / 8 * 8;
         __m256 high8 = _mm256_set1_ps(-INFINITY), low8 = _mm256_set1_ps(INFINITY);

@@ -1,18 +1,22 @@
 """A greedy step's tokens without the float32 output layer (``cpu_greedy.c``, built by
-``kernels.cpu_native``): the logits of a bfloat16 copy of the weights, a bound on their
-distance from the float32 logits, and the float32 logits of only the tokens within it of the
-best. The tokens are the float32 layer's argmax, ties to the lowest id, bit for bit: a token
-is passed over only where its float32 logit is certainly below another's.
+``kernels.cpu_native``): the logits of a low-precision copy of the weights (bfloat16, or int8
+with a scale per token: ``cpu_screen.c``), a bound on their distance from the float32 logits,
+and the float32 logits of only the tokens within it of the best. The tokens are the float32
+layer's argmax, ties to the lowest id, bit for bit: a token is passed over only where its
+float32 logit is certainly below another's.
 
-The bound. With ``w = hi + lo`` (``hi`` the bfloat16 copy, ``lo`` the exact rest) and ``x'``
-the inputs as the bfloat16 product takes them, the float32 logit ``f`` and the approximation
+The bound. With ``w = hi + lo`` (``hi`` the copy's weights, ``lo`` the exact rest) and ``x'``
+the inputs as the copy's product takes them, the float32 logit ``f`` and the approximation
 ``a`` of token j satisfy ``|f - x.w| <= g |x||w|`` and ``|a - x'.hi| <= g |x'||hi|`` (a sum of n
 products in float32 in any order: ``g = n u / (1 - n u)``, ``u = 2^-24``, n the inputs plus 16
-for the pairs' and blocks' additions), and ``x.w - x'.hi = x.lo + (x - x').hi``, so by
-Cauchy-Schwarz ``|f - a| <= |x| (|lo| + g |w| + g |hi|) + |x - x'| |hi| (1 + g)``: ``|x| p +
-|x - x'| q`` with ``p`` and ``q`` per token, computed here in float64 and rounded up. The
-instructions take bfloat16 values below float's normal range as zero: the copy holds those
-weights as zero, and the C side counts such inputs whole in ``|x - x'|``.
+for the pairs' and blocks' additions; the int8 copy's sums are exact in int32 and rounded
+only where its blocks of 512 inputs are added and scaled), and ``x.w - x'.hi = x.lo + (x -
+x').hi``, so by Cauchy-Schwarz ``|f - a| <= |x| (|lo| + g |w| + g |hi|) + |x - x'| |hi| (1 +
+g)``: ``|x| p + |x - x'| q`` with ``p`` and ``q`` per token, computed here in float64 and
+rounded up. The C side computes ``|x - x'|`` for each row: the int8 copy's inputs are
+integers times the row's scale; AVX-512 BF16 rounds them to bfloat16 and takes values below
+float's normal range as zero (the bfloat16 copy holds such weights as zero, and such inputs
+count whole); elsewhere the bfloat16 copy widens to float32 and ``x' = x``.
 """
 
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ from kernels import cpu_gemv, cpu_native
 # more tokens than this within the bound of a row's best: its float32 logits are cheaper whole
 MAX_CANDIDATES = 64
 _ROWS = 4096  # vocabulary rows a slice when the bound's terms are computed
+WEIGHT_MAX = 127  # the int8 copy's largest integer (cpu_screen.c sums in int32 by it)
 
 
 def available() -> bool:
@@ -34,18 +39,24 @@ def available() -> bool:
 
 @dataclass
 class GreedyWeights:
-    """The output layer's bfloat16 copy in ``cpu_gemv``'s panels, each token's terms of the
+    """The output layer's copy: bfloat16 in ``cpu_gemv``'s panels (``scales`` None), or int8
+    in ``cpu_screen.c``'s with each token's scale (float32 [vocab]); each token's terms of the
     bound, ``p`` and ``q`` [vocab] (float32, rounded up) and their highest, and the float32
     weights whose logits the tokens are: ``exact`` as rows [vocab, hidden] (a tied
     embedding's) or as ``cpu_gemv``'s panels, summed in blocks of ``block`` inputs."""
 
     panels: torch.Tensor
+    scales: torch.Tensor | None
     p: torch.Tensor
     q: torch.Tensor
     p_max: float
     q_max: float
     exact: torch.Tensor
     block: int
+
+    @property
+    def name(self) -> str:
+        return "bfloat16" if self.scales is None else "int8"
 
     @property
     def vocab(self) -> int:
@@ -62,28 +73,77 @@ class GreedyWeights:
         return torch.tensor(strides, dtype=torch.int64)
 
 
-def prepare(weight: torch.Tensor, exact: torch.Tensor, block: int) -> GreedyWeights:
-    """``weight`` [vocab, hidden], float32; ``exact`` and ``block``: ``GreedyWeights``'."""
+def prepare(weight: torch.Tensor, exact: torch.Tensor, block: int,
+            copy: torch.dtype = torch.int8) -> GreedyWeights:
+    """``weight`` [vocab, hidden], float32; ``exact`` and ``block``: ``GreedyWeights``'; ``copy``
+    the copy's type, ``torch.int8`` or ``torch.bfloat16``."""
     vocab, hidden = weight.shape
-    hi = weight.to(torch.bfloat16)
-    hi = torch.where(hi.float().abs() < torch.finfo(torch.float32).tiny, 0, hi)
     n = hidden + 16
     g = n * 2.0**-24 / (1 - n * 2.0**-24)
     p, q = torch.empty(vocab, dtype=torch.float64), torch.empty(vocab, dtype=torch.float64)
+    if copy == torch.int8:
+        scales = (weight.abs().amax(dim=1) / WEIGHT_MAX).float()
+        ints = torch.empty(vocab, hidden, dtype=torch.int8)
+    else:
+        scales = None
+        bf16 = weight.to(torch.bfloat16)
+        bf16 = torch.where(bf16.float().abs() < torch.finfo(torch.float32).tiny, 0, bf16)
     for start in range(0, vocab, _ROWS):  # float64 a slice at a time: no 3 x 226 MB at once
-        wide, hi_wide = weight[start:start + _ROWS].double(), hi[start:start + _ROWS].double()
-        lo = wide - hi_wide  # exact: float32 minus its bfloat16 rounding
-        p[start:start + _ROWS] = lo.norm(dim=1) + g * (wide.norm(dim=1) + hi_wide.norm(dim=1))
-        q[start:start + _ROWS] = hi_wide.norm(dim=1) * (1 + g)
+        rows = slice(start, start + _ROWS)
+        wide = weight[rows].double()
+        if scales is None:
+            hi_wide = bf16[rows].double()
+        else:  # hi = scale * the integers, exact in float64, as is wide - hi
+            scale = scales[rows].double().unsqueeze(1)
+            whole = (wide / scale.where(scale > 0, 1)).round().clamp(-WEIGHT_MAX, WEIGHT_MAX)
+            ints[rows] = whole.to(torch.int8)
+            hi_wide = whole * scale
+        lo = wide - hi_wide  # exact: float32 minus its rounding in the copy
+        p[rows] = lo.norm(dim=1) + g * (wide.norm(dim=1) + hi_wide.norm(dim=1))
+        q[rows] = hi_wide.norm(dim=1) * (1 + g)
     p, q = _rounded_up(p), _rounded_up(q)
-    return GreedyWeights(cpu_gemv.pack_panels(hi), p, q, float(p.max()), float(q.max()),
-                         exact, block)
+    panels = cpu_gemv.pack_panels(bf16) if scales is None else _int8_panels(ints)
+    return GreedyWeights(panels, scales, p, q, float(p.max()), float(q.max()), exact, block)
+
+
+def _int8_panels(ints: torch.Tensor) -> torch.Tensor:
+    """cpu_screen.c's layout of ``ints`` [vocab, hidden]: [vocab / 16][hidden / 2][16][2],
+    outputs padded to 16 and inputs to even with zeros."""
+    vocab, hidden = ints.shape
+    padded = torch.zeros((vocab + 15) // 16 * 16, (hidden + 1) // 2 * 2, dtype=torch.int8)
+    padded[:vocab, :hidden] = ints
+    return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _rounded_up(x: torch.Tensor) -> torch.Tensor:
     narrow = x.float()
     return torch.where(narrow.double() < x, torch.nextafter(narrow, torch.tensor(torch.inf)),
                        narrow).contiguous()
+
+
+def approximate(x: torch.Tensor,
+                weights: GreedyWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The copy's logits of ``x`` [rows, hidden] (float32, contiguous) [rows, vocab], and each
+    row's ``|x - x'|`` rounded up (None where the product takes ``x`` as it is)."""
+    screen, bf16_rounding = (cpu_native.function(name) for name in (
+        "pagedq_screen", "pagedq_bf16_rounding"))
+    if screen is None or bf16_rounding is None:
+        raise RuntimeError("greedy tokens: no C kernels on this machine")
+    rows, hidden = x.shape
+    rounding = torch.empty(rows)
+    if weights.scales is None:
+        approx = cpu_gemv.gemv(x, weights.panels, None, weights.vocab, hidden)
+        if not cpu_gemv.paired():
+            return approx, None
+        # the products rounded the inputs to bfloat16
+        bf16_rounding(x.data_ptr(), hidden, rows, hidden, rounding.data_ptr())
+        return approx, rounding
+    approx = torch.empty(rows, weights.vocab)
+    if screen(x.data_ptr(), hidden, rows, weights.panels.data_ptr(), weights.scales.data_ptr(),
+              approx.data_ptr(), weights.vocab, weights.vocab, hidden, rounding.data_ptr(),
+              torch.get_num_threads()) != 0:
+        raise MemoryError("greedy tokens: no memory for the int8 inputs")
+    return approx, rounding
 
 
 def tokens(x: torch.Tensor, weights: GreedyWeights) -> torch.Tensor:
@@ -95,10 +155,11 @@ def tokens(x: torch.Tensor, weights: GreedyWeights) -> torch.Tensor:
         raise RuntimeError("greedy tokens: no C kernels on this machine")
     rows, hidden = x.shape
     x = x.contiguous()
-    approx = cpu_gemv.gemv(x, weights.panels, None, weights.vocab, hidden)
+    approx, rounding = approximate(x, weights)
     out = torch.empty(rows, dtype=torch.int64)
     function(x.data_ptr(), hidden, rows, approx.data_ptr(), weights.vocab, weights.vocab,
              weights.exact.data_ptr(), weights.strides.data_ptr(), hidden, weights.block,
              weights.p.data_ptr(), weights.q.data_ptr(), weights.p_max, weights.q_max,
-             int(cpu_gemv.paired()), MAX_CANDIDATES, out.data_ptr(), torch.get_num_threads())
+             None if rounding is None else rounding.data_ptr(), MAX_CANDIDATES,
+             out.data_ptr(), torch.get_num_threads())
     return out
