@@ -27,22 +27,24 @@ from kernels import cpu_gemv, cpu_native
 
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe found, tried first
-# Batches up to this many rows go to cpu_gemv where it serves, larger to oneDNN. AVX-512's
+# Batches up to this many rows go to cpu_gemv's few-row tiles where it serves, larger to
+# oneDNN or to its many-row tiles (F32_ROWS). AVX-512's
 # tiles (8 rows by 32 outputs, the next weights prefetched) led oneDNN to 256 rows (SmolLM2's
 # 121 layers, cold, 2 threads, AMD EPYC Zen 5: 128 rows 74 against 80 ms, 256 rows 148 against
 # 157); AVX2's (6 rows by 16 outputs) keep pace with oneDNN's AVX2 kernels to 64 rows and fall
 # behind past them (an AMD EPYC Zen 3, random-26m's 32 layers: 64 rows 31.8 against 34.3 ms,
-# 128 rows 74.7 against 64.6).
+# 128 rows 74.7 against 64.6), where the many-row tiles take over.
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
-# float32 weights on AVX-512: every batch, a prefill's too, where past GEMV_ROWS rows
-# cpu_gemv's 6 x 4 tiles (the rows split between the threads, cpu_gemv_many.h) ran faster than
-# oneDNN's packed product at load (``_prefill_rows``): they give the same bits, but which leads
-# depends on the machine. SmolLM2's four shapes, cold, 2 threads: a Xeon with AMX (model 167),
-# 256 rows 307-313 against oneDNN's 288 GFLOP/s, 2,048 rows 320-329 against 304; an Emerald
-# Rapids Xeon (model 207) whose memory feeds a core 11-13 GB/s, 512 rows 207 against 237,
-# 2,048 rows 205-224 against 232-257, and 32 prompts of 256 tokens prefilled in 8.60 s against
-# 10.13 (medians of 4 alternating) with this choice.
-F32_ROWS = sys.maxsize if cpu_native.cpu_has("avx512f") else GEMV_ROWS
+# float32 weights: every batch, a prefill's too, where past GEMV_ROWS rows cpu_gemv's many-row
+# tiles (the rows split between the threads, cpu_gemv_many.h) ran faster than oneDNN's packed
+# product at load (``_prefill_rows``): they give the same bits, but which leads depends on the
+# machine. SmolLM2's four shapes, cold, 2 threads: a Xeon with AMX (model 167), 256 rows
+# 307-313 against oneDNN's 288 GFLOP/s, 2,048 rows 320-329 against 304; an Emerald Rapids Xeon
+# (model 207) whose memory feeds a core 11-13 GB/s, 512 rows 207 against 237, 2,048 rows
+# 205-224 against 232-257, and 32 prompts of 256 tokens prefilled in 8.60 s against 10.13
+# (medians of 4 alternating) with this choice; an AMD EPYC Zen 3 (AVX2: 6 x 16 tiles), 2,048
+# rows 180-183 against 155-161.
+F32_ROWS = sys.maxsize
 PREFILL_PROBE_ROWS = 512
 # larger layers (an output layer's vocabulary) keep cpu_gemv unprobed: they take a step's
 # sampling rows, seldom past GEMV_ROWS, and their probe would cost ~0.1 s a run
@@ -162,7 +164,7 @@ class PackedLinear(DirectModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """A row's product has the same bits in any batch. Up to ``gemv_rows`` rows
-        (``GEMV_ROWS``; float32 weights on AVX-512 any batch, ``F32_ROWS``, where the probe
+        (``GEMV_ROWS``; float32 weights any batch, ``F32_ROWS``, where the probe
         found cpu_gemv's many rows the faster) go to
         ``cpu_gemv`` where the probe found its block: at one row it streams the weights at 2x
         oneDNN's rate (SmolLM2's layers, 2 threads, an AMD EPYC), and to 64 rows it kept pace

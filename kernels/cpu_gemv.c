@@ -158,9 +158,9 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
 #else
     const int64_t steps = k, ldin = ldx;
     const input_t *in = x;
-#ifdef __AVX512F__
-    if (rows > CHUNKED_ROWS)
+    if (rows > MANY_ROWS)
         return many_rows(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
+#ifdef __AVX512F__
     if (rows > TILE) return chunked(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
 #endif
 #endif

@@ -1,5 +1,5 @@
-/* cpu_gemv.c's product for batches past CHUNKED_ROWS rows (a prefill's; AVX-512, float32 or
- * widened bfloat16 panels): included there, after `any_tile`.
+/* cpu_gemv.c's product for batches past MANY_ROWS rows (a prefill's; float32 or widened
+ * bfloat16 panels): included there, after `any_tile`.
  *
  * Each thread takes its share of the rows (whole tiles) and walks them MANY_BLOCK rows at a
  * time, each block through every group of MANY_PANELS panels, so its inputs stay in the
@@ -16,10 +16,21 @@
  * rows, or the next group's lines asked for (into L1 or L2): level. The weights taken 64-256
  * inputs at a time across the block's tiles, the sums kept in memory between (cpu_gemv_chunks.h's
  * way): 0.82-0.97x. */
-#if !PAIRED && defined(__AVX512F__)
+#if !PAIRED
 #define MANY_TILE 6
-#define MANY_PANELS 4
 #define MANY_BLOCK 168
+#ifdef __AVX512F__
+#define MANY_PANELS 4
+#define MANY_ROWS CHUNKED_ROWS
+#else
+/* AVX2: `tile`'s 6 x 16 (12 of 16 registers), past the decode batches (GEMV_ROWS, 64), where
+ * the groups of one panel had read each panel once for all the rows and left oneDNN ahead.
+ * SmolLM2's four shapes, 2 threads, an AMD EPYC Zen 3, best of 7 alternating against oneDNN's
+ * packed product: 128 rows 131 against 121 GFLOP/s, 300 rows 172 against 143, 1,024 rows 178
+ * against 154, 2,048 rows 180-183 against 155-161; blocks of 252 to 504 rows: level. */
+#define MANY_PANELS 1
+#define MANY_ROWS 64
+#endif
 
 /* A tile of 1 to MANY_TILE rows by 1 to MANY_PANELS panels. */
 static void many_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels,

@@ -60,19 +60,21 @@ def test_gemv_reads_strided_rows_and_refuses_what_it_cannot_take() -> None:
 def test_few_rows_have_onednn_many_row_bits(in_features: int) -> None:
     """Where the probe found the block (AVX-512 machines: 512 up to 1,024 inputs, 1,024 past
     them, measured on an AMD EPYC and a Xeon), batches through the C kernel equal the same
-    rows inside a batch of 1,000 through oneDNN, bit for bit: decode batches, and on AVX-512
-    a prefill's many rows (past 128: cpu_gemv_many.h), partial tiles and groups included."""
+    rows inside a batch of 1,000 through oneDNN, bit for bit: decode batches, and a prefill's
+    many rows (cpu_gemv_many.h: past 128 on AVX-512, past 64 on AVX2), partial tiles and
+    groups included."""
     layer = PackedLinear(torch.nn.Linear(in_features, 200, bias=True))
     if cpu_native.cpu_has("avx512f"):
         assert layer.panels is not None, "no block made cpu_gemv sum as oneDNN does"
         # one chain up to 512 inputs (the probe tries the whole width first)
         assert layer.block == min(in_features, 512 if in_features <= 1024 else 1024)
+    if layer.panels is not None:
         # past GEMV_ROWS whichever ran faster at load (both: the same bits, checked below)
         assert layer.gemv_rows in (F32_ROWS, GEMV_ROWS) and F32_ROWS > 1000
     x = torch.randn(1000, in_features, generator=torch.Generator().manual_seed(in_features))
     batch = layer.onednn_product(x)
     assert GEMV_ROWS < 300
-    # 9 to 128: chunked, past 128 many_rows (cpu_gemv.c)
+    # AVX-512: 9 to 128 chunked, past 128 many_rows; AVX2: past 64 many_rows (cpu_gemv.c)
     for rows in (1, 2, 3, 4, 8, 13, 64, 100, 129, GEMV_ROWS, 337, 1000):
         for start in sorted({0, 7, 1000 - rows}):
             rows_x = x[start:start + rows]
