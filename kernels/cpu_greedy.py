@@ -9,8 +9,8 @@ The bound. With ``w = hi + lo`` (``hi`` the copy's weights, ``lo`` the exact res
 the inputs as the copy's product takes them, the float32 logit ``f`` and the approximation
 ``a`` of token j satisfy ``|f - x.w| <= g |x||w|`` and ``|a - x'.hi| <= g |x'||hi|`` (a sum of n
 products in float32 in any order: ``g = n u / (1 - n u)``, ``u = 2^-24``, n the inputs plus 16
-for the pairs' and blocks' additions; the int8 copy's sums are exact in int32 and rounded
-only where its blocks of 512 inputs are added and scaled), and ``x.w - x'.hi = x.lo + (x -
+for the pairs' and blocks' additions; the int8 copy's sums are exact in int32, rounded only
+where they become floats and are scaled), and ``x.w - x'.hi = x.lo + (x -
 x').hi``, so by Cauchy-Schwarz ``|f - a| <= |x| (|lo| + g |w| + g |hi|) + |x - x'| |hi| (1 +
 g)``: ``|x| p + |x - x'| q`` with ``p`` and ``q`` per token, computed here in float64 and
 rounded up. The C side computes ``|x - x'|`` for each row: the int8 copy's inputs are
