@@ -28,12 +28,12 @@ from kernels import cpu_gemv, cpu_native
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any count works
 _GEMV_BLOCKS: dict[int, int] = {}  # in_features -> the block the last probe found, tried first
 # Batches up to this many rows go to cpu_gemv's few-row tiles where it serves, larger to
-# oneDNN or to its many-row tiles (F32_ROWS). AVX-512's
-# tiles (8 rows by 32 outputs, the next weights prefetched) led oneDNN to 256 rows (SmolLM2's
-# 121 layers, cold, 2 threads, AMD EPYC Zen 5: 128 rows 74 against 80 ms, 256 rows 148 against
-# 157); AVX2's (6 rows by 16 outputs) keep pace with oneDNN's AVX2 kernels to 64 rows and fall
-# behind past them (an AMD EPYC Zen 3, random-26m's 32 layers: 64 rows 31.8 against 34.3 ms,
-# 128 rows 74.7 against 64.6), where the many-row tiles take over.
+# oneDNN or to its many-row tiles (F32_ROWS). AVX-512's tiles (8 rows by 32 outputs, the next
+# weights prefetched) led oneDNN to 256 rows (SmolLM2's 121 layers, cold, 2 threads, AMD EPYC
+# Zen 5: 128 rows 74 against 80 ms, 256 rows 148 against 157); AVX2's (6 rows by 16 outputs)
+# keep pace with oneDNN's AVX2 kernels to 64 rows and fall behind past them (an AMD EPYC Zen
+# 3, random-26m's 32 layers: 64 rows 31.8 against 34.3 ms, 128 rows 74.7 against 64.6), where
+# the many-row tiles take over.
 GEMV_ROWS = 256 if cpu_native.cpu_has("avx512f") else 64
 # float32 weights: every batch, a prefill's too, where past GEMV_ROWS rows cpu_gemv's many-row
 # tiles (the rows split between the threads, cpu_gemv_many.h) ran faster than oneDNN's packed

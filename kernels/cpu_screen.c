@@ -17,10 +17,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* a weight's largest integer (kernels/cpu_greedy.py's WEIGHT_MAX, which packs them) */
+#define WEIGHT_MAX 127
+
 /* an input's largest integer: 14 bits, or as many as a sum of `steps` pairs of products by
- * weights of at most 127 leaves within int32 (SmolLM2's 576 inputs: 14; 2,048: 13) */
+ * weights of at most WEIGHT_MAX leaves within int32 (SmolLM2's 576 inputs: 14; 2,048: 13) */
 static inline int32_t x_max(int64_t steps) {
-    const int64_t most = INT32_MAX / (2 * 127 * steps);
+    const int64_t most = INT32_MAX / (2 * WEIGHT_MAX * steps);
     return most < 16383 ? (int32_t)most : 16383;
 }
 
@@ -58,7 +61,8 @@ static float quantize(const float *x, int64_t k, int32_t most, int32_t *xq, floa
     for (int64_t i = 0; i < (k + 1) / 2 * 2; i += 2) {
         float q[2] = {0.0f, 0.0f};
         for (int h = 0; h < 2 && i + h < k; h++) {
-            if (tau > 0.0f) q[h] = fminf(fmaxf(nearbyintf(x[i + h] / tau), (float)-most), (float)most);
+            if (tau > 0.0f)
+                q[h] = fminf(fmaxf(nearbyintf(x[i + h] / tau), (float)-most), (float)most);
             const double d = (double)x[i + h] - (double)tau * q[h];
             sum += d * d;
         }
