@@ -39,6 +39,22 @@ def test_arrivals_notes_each_landing_once_taken(redis_url) -> None:
     assert not arrivals._thread.is_alive()
 
 
+def test_arrivals_notes_a_landing_between_two_reads(redis_url) -> None:
+    """An entry that lands after a read timed out and before the next is sent is noticed: the
+    watcher waits past the end's id, not past '$' (which lost it, once in CI). The test holds
+    the watcher between two reads by holding the lock it takes before each."""
+    conn = redis.Redis.from_url(redis_url, decode_responses=True)
+    arrivals = Arrivals(conn, queue_key(QUEUE), block_ms=50)
+    try:
+        time.sleep(0.1)  # the watcher is blocked at the stream's end
+        with arrivals._cond:
+            time.sleep(0.2)  # its read times out; it waits for the lock to send the next
+            conn.xadd(queue_key(QUEUE), {"job": "1"})
+        wait_for(lambda: arrivals._noticed, timeout=2, what="the landing to be noticed")
+    finally:
+        arrivals.close()
+
+
 def steps_to_start(redis_url: str, model, watch: bool) -> list[int]:
     """For 6 jobs landing at random moments while a long job runs: how many steps began after
     the landing before the one that ran the job (1: the next step)."""

@@ -36,8 +36,8 @@ BLOCK_MS = 500  # the watcher's read returns this often without news, to see clo
 
 
 class Arrivals:
-    def __init__(self, conn: redis.Redis, key: str) -> None:
-        self.conn, self.key = conn, key
+    def __init__(self, conn: redis.Redis, key: str, block_ms: int = BLOCK_MS) -> None:
+        self.conn, self.key, self.block_ms = conn, key, block_ms
         self._noticed = False  # an entry landed since the last take()
         self._cond = threading.Condition()
         self._closed = False
@@ -52,32 +52,45 @@ class Arrivals:
         return noticed
 
     def close(self) -> None:
-        """Stops the watcher within ``BLOCK_MS``; never waits for it."""
+        """Stops the watcher within ``block_ms``; never waits for it."""
         with self._cond:
             self._closed = True
             self._cond.notify()
 
     def _run(self) -> None:
-        """Waits for an entry past the stream's end ('$'), notes it, and waits again only once
-        the loop has taken the note, from the end as it is then: the round trip sent after a
-        take reads whatever landed before it, so only later entries are news. At most one
-        wake-up per step however many jobs a burst brings, and no backlog of old entries to
-        walk through after one. (An entry that lands between a take and the next read is
-        missed, and joins a step later, as without the watcher.)"""
-        failures = 0
+        """Waits for an entry past the stream's end, notes it, and waits again only once the
+        loop has taken the note, from the end as it is then: the round trip sent after a take
+        reads whatever landed before it, so only later entries are news. At most one wake-up
+        per step however many jobs a burst brings, and no backlog of old entries to walk
+        through after one. (An entry that lands between a take and the read of the end after
+        it is missed, and joins a step later, as without the watcher.)
+
+        The end is read as an id (``_end``) and the blocking reads wait past that id, not past
+        '$': a read from '$' that times out and is sent again misses an entry landing between
+        the two, and that gap recurs every ``BLOCK_MS`` (CI lost a job's notice to it once, the
+        entry landing as a read timed out)."""
+        failures, after = 0, None
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or not self._noticed)
                 if self._closed:
                     return
             try:
-                reply = self.conn.xread({self.key: "$"}, count=1, block=BLOCK_MS)
+                after = after or self._end()
+                reply = self.conn.xread({self.key: after}, count=1, block=self.block_ms)
             except redis.RedisError as exc:  # Redis down or the stream gone: the loop copes
-                failures += 1
+                failures, after = failures + 1, None
                 log.debug("arrivals watch failed", error=str(exc), failures=failures)
                 time.sleep(read_backoff(failures, 0.05))
                 continue
             failures = 0
             if xread_streams(reply):
+                after = None  # the next wait starts from the end as it is after the take
                 with self._cond:
                     self._noticed = True
+
+    def _end(self) -> str | bytes:
+        """The id of the stream's last entry ('0-0' while it has none): entries past it are
+        news."""
+        last = self.conn.xrevrange(self.key, count=1)
+        return last[0][0] if last else "0-0"
