@@ -93,4 +93,4 @@ class Arrivals:
         """The id of the stream's last entry ('0-0' while it has none): entries past it are
         news."""
         last = self.conn.xrevrange(self.key, count=1)
-        return last[0][0] if last else "0-0"
+        return (last[0][0] if last else None) or "0-0"
