@@ -67,7 +67,7 @@ class Arrivals:
 
         The end is read as an id (``_end``) and the blocking reads wait past that id, not past
         '$': a read from '$' that times out and is sent again misses an entry landing between
-        the two, and that gap recurs every ``BLOCK_MS`` (CI lost a job's notice to it once, the
+        the two, and that gap recurs every ``block_ms`` (CI lost a job's notice to it once, the
         entry landing as a read timed out)."""
         failures, after = 0, None
         while True:
