@@ -14,8 +14,8 @@ system at a time on all the cores, rates in the order given, after a warm-up of 
 Greedy, ``ignore_eos``. Per system and rate: TTFT (send to first token), TPOT ((last token -
 first token) / (tokens - 1)), ITL (gaps between a request's chunks, a chunk of k tokens counted
 as k gaps of a k-th), p50 and p99; request and output token throughput over the round's wall;
-whether the system keeps up (its TTFT does not grow over the trace: the last quarter's median
-within 2x the first quarter's + 0.25 s); greedy agreement (texts equal per request).
+whether the system keeps up with the rate (``serve_stats.keeps_up``); greedy agreement (texts
+equal per request).
 
     .venv/bin/python benchmarks/serve.py                 # SmolLM2, ~6 minutes on 2 cores
     .venv/bin/python benchmarks/serve.py --rates 1,2,burst --num-requests 16
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import subprocess
 import sys
 import time
@@ -45,13 +44,13 @@ from common import (
     load_average,
     log,
     model_path,
-    percentile_ms,
     random_prompt,
     set_threads,
     usable_token_ids,
     write_json,
 )
 from gateway import spawn, wait
+from serve_stats import keeps_up, summarize
 
 from producer import AsyncClient
 from producer.protocol import Chunk, End
@@ -110,27 +109,6 @@ async def run_trace(send: Any, requests: list[dict[str, Any]]) -> tuple[list[dic
     return answers, time.perf_counter() - start
 
 
-def summarize(answers: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    ttft = [a["times"][0][0] - a["sent"] for a in answers]
-    tpot, itl = [], []
-    for a in answers:
-        stamps = [t for t, _ in a["times"]]
-        if a["tokens"] > 1:
-            tpot.append((stamps[-1] - stamps[0]) / (a["tokens"] - 1))
-        for (before, _), (at, k) in zip(a["times"], a["times"][1:], strict=False):
-            itl += [(at - before) / k] * k
-    quarter = max(1, len(ttft) // 4)
-    by_send = [t for _, t in sorted(zip((a["sent"] for a in answers), ttft, strict=True))]
-    keeps_up = statistics.median(by_send[-quarter:]) <= (
-        2 * statistics.median(by_send[:quarter]) + 0.25)
-    tokens = sum(a["tokens"] for a in answers)
-    return {"ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p99_ms": percentile_ms(ttft, 99),
-            "tpot_p50_ms": percentile_ms(tpot, 50), "itl_p50_ms": percentile_ms(itl, 50),
-            "itl_p99_ms": percentile_ms(itl, 99), "req_s": len(answers) / wall,
-            "tok_s": tokens / wall, "wall_s": wall, "keeps_up": keeps_up,
-            "texts": [a["text"] for a in answers]}
-
-
 async def serve_rates(send: Any, traces: dict[str, list[dict[str, Any]]],
                       system: str) -> dict[str, dict[str, Any]]:
     await run_trace(send, [dict(r, at=0.0) for r in traces[next(iter(traces))][:4]])  # warm-up
@@ -140,7 +118,9 @@ async def serve_rates(send: Any, traces: dict[str, list[dict[str, Any]]],
         out[rate] = summarize(answers, wall) | {"load": load_average()}
         log(f"{system} at {rate}: TTFT p50 {out[rate]['ttft_p50_ms']:.0f} ms, ITL p50 "
             f"{out[rate]['itl_p50_ms']:.1f} ms, {out[rate]['tok_s']:.0f} tok/s, "
-            f"keeps up {out[rate]['keeps_up']}, load {out[rate]['load']:.2f}")
+            f"load {out[rate]['load']:.2f}")
+    for rate, up in keeps_up(out).items():
+        out[rate]["keeps_up"] = up
     return out
 
 
@@ -233,8 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                                                strict=True)))
             rows.append([system, rate, r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"],
                          r["itl_p50_ms"], r["itl_p99_ms"], r["req_s"], r["tok_s"],
-                         "yes" if r["keeps_up"] else "no", same, r["load"]])
-        if {"pagedq", "vllm"} <= results.keys() and results["vllm"][rate]["keeps_up"]:
+                         {True: "yes", False: "no", None: "-"}[r["keeps_up"]], same, r["load"]])
+        # compared where vLLM keeps up, at the burst, and where no burst measured its capacity
+        if {"pagedq", "vllm"} <= results.keys() and results["vllm"][rate]["keeps_up"] is not False:
             ours, theirs = results["pagedq"][rate], results["vllm"][rate]
             verdicts.append(f"{rate}: TTFT p50 {ours['ttft_p50_ms']:.0f} vs "
                             f"{theirs['ttft_p50_ms']:.0f} ms, ITL p50 {ours['itl_p50_ms']:.1f} "

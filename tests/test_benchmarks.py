@@ -117,6 +117,18 @@ def test_gateway(run_benchmark) -> None:
     assert "throughput ratio (gateway / client)" in out["stdout"]
 
 
+def test_serve_keeps_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system keeps up with the rates up to the request rate it served in the burst, its
+    capacity; unknown without a burst."""
+    monkeypatch.setattr(sys, "path", [*sys.path, str(BENCHMARKS)])
+    keeps_up = __import__("serve_stats").keeps_up
+    by_rate = {"1": {"req_s": 0.99}, "2": {"req_s": 1.48}, "4": {"req_s": 1.89},
+               "burst": {"req_s": 1.89}}
+    assert keeps_up(by_rate) == {"1": True, "2": False, "4": False, "burst": None}
+    assert keeps_up(by_rate | {"burst": {"req_s": 2.62}})["2"] is True
+    assert keeps_up({"1": {"req_s": 0.99}}) == {"1": None}
+
+
 def test_serve(run_benchmark) -> None:
     """Poisson arrivals and a burst through the queue; vLLM's venv is missing here, and the
     benchmark says so and carries on."""
@@ -127,5 +139,6 @@ def test_serve(run_benchmark) -> None:
     assert list(results) == ["pagedq"] and list(results["pagedq"]) == ["20", "burst"]
     for r in results["pagedq"].values():
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 and r["tok_s"] > 0
-        assert r["keeps_up"] in (True, False)
+    assert results["pagedq"]["20"]["keeps_up"] in (True, False)
+    assert results["pagedq"]["burst"]["keeps_up"] is None
     assert "vllm left out: no " in out["stdout"]
