@@ -3,8 +3,8 @@ random-token prompt of --prompt-len tokens and --max-tokens new ones, greedy, ``
 
 - ``pagedq``: ``LLM.generate`` on all of them at once, in this process;
 - ``llama.cpp F32``: ``llama-server`` on F32 weights with an f32 KV cache and one slot per
-  request (``-np``), every request posted at once from its own thread (the arithmetic of
-  pagedq's fp32 engine, so greedy tokens should agree);
+  request (``-np``), every request posted at once from its own thread, not streamed, as
+  ``generate`` returns (the arithmetic of pagedq's fp32 engine, so greedy tokens should agree);
 - ``llama.cpp F16+FA``: F16 weights, f16 KV, flash attention (its fastest here).
 
 Alternating over --rounds; prints output tok/s, the ratio to pagedq and greedy agreement.
@@ -46,7 +46,7 @@ def run_llamacpp(server: llamacpp.LlamaServer, prompts: list[list[int]],
 
     start = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        done = list(pool.map(lambda p: server.complete(p, max_tokens)[2], prompts))
+        done = list(pool.map(lambda p: server.tokens(p, max_tokens), prompts))
     return time.perf_counter() - start, done
 
 

@@ -1,7 +1,10 @@
 """llama.cpp's ``llama-server`` as a peer (issue 16): started on a GGUF file that
 ``benchmarks/llamacpp_peer.sh`` built from the same checkpoint, driven through its native
-``/completion`` endpoint with token-id prompts, streamed (``return_tokens`` gives each chunk's
-token ids, so greedy tokens compare with pagedq's one for one).
+``/completion`` endpoint with token-id prompts: streamed for the timings (``complete``), not
+streamed for the token ids (``tokens``, with ``return_tokens``), so greedy tokens compare with
+pagedq's one for one. The stream cannot give the ids: a chunk's ``tokens`` leave out the ids
+whose text the server held back (a character's leading UTF-8 bytes), and SmolLM2 writes some
+characters as two tokens (162 then 112 for "ע"): one 128-token reply streamed 66 ids.
 
 Standard library only: the timings are the client's (when each chunk arrives), as for pagedq's
 ``Client``; the server's own ``timings`` are kept beside them."""
@@ -81,26 +84,34 @@ class LlamaServer:
             self.proc.terminate()
             self.proc.wait(30)
 
-    def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float],
-                                                                   list[int], dict[str, Any]]:
-        """Greedy, ``ignore_eos``, no prompt cache: (submit time, each token's arrival time,
-        the tokens, the server's timings)."""
+    def _post(self, prompt: list[int], max_tokens: int, stream: bool) -> Any:
+        """Greedy, ``ignore_eos``, no prompt cache."""
         body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "top_k": 1,
-                "ignore_eos": True, "cache_prompt": False, "stream": True,
+                "ignore_eos": True, "cache_prompt": False, "stream": stream,
                 "return_tokens": True}
         req = urllib.request.Request(f"{self.url}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=600)
+
+    def complete(self, prompt: list[int], max_tokens: int
+                 ) -> tuple[float, list[float], dict[str, Any]]:
+        """Streamed: (submit time, each token's arrival time, the server's timings). A chunk
+        brings the tokens its ``tokens_predicted`` counts past the last chunk's, held-back
+        ones included."""
         times: list[float] = []
-        tokens: list[int] = []
         timings: dict[str, Any] = {}
         submitted = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as response:
+        with self._post(prompt, max_tokens, stream=True) as response:
             for line in response:
                 if not line.startswith(b"data: "):
                     continue
                 event = json.loads(line[6:])
                 now = time.perf_counter()
-                times += [now] * len(event.get("tokens", []))
-                tokens += event.get("tokens", [])
+                times += [now] * (event.get("tokens_predicted", 0) - len(times))
                 timings = event.get("timings", timings)
-        return submitted, times, tokens, timings
+        return submitted, times, timings
+
+    def tokens(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Not streamed: every generated id."""
+        with self._post(prompt, max_tokens, stream=False) as response:
+            return list(json.loads(response.read())["tokens"])
