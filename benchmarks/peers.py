@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from adjudicate import adjudicate, greedy_divergences
 from common import OUT_DIR, format_table, log, write_json
 
 _HERE = Path(__file__).resolve().parent
@@ -130,10 +131,12 @@ def compare(title: str, systems: list[str], spec: dict[str, Any], rounds: int,
     if "vllm" in systems and (why := vllm_missing()):
         print(f"vllm left out: {why}")
         systems = [s for s in systems if s != "vllm"]
-    rows = report(f"{title}, {spec['threads']} threads, {rounds} rounds",
-                  alternate(systems, spec, rounds))
+    results = alternate(systems, spec, rounds)
+    rows = report(f"{title}, {spec['threads']} threads, {rounds} rounds", results)
+    verdicts = adjudicate(Path(spec["model"]), spec["dtype"],
+                          greedy_divergences(results, spec["calls"]))
     write_json(OUT_DIR / f"{out_name}.json", {"args": args, "threads": spec["threads"],
-                                              "rows": rows})
+                                              "rows": rows, "divergences": verdicts})
 
 
 def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> tuple[int, str]:
@@ -161,26 +164,30 @@ def _call_name(call: int) -> str:
 
 
 def report(title: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Prints one row per run and call (pagedq's run of the same round and call as each
-    ratio's numerator and the greedy reference; sampled requests are compared too, but agree
-    only by chance) and the mean ratios per peer, first calls and steady ones apart; returns
-    the rows for the JSON."""
+    """Prints one row per run and call (pagedq's run of the same round and call as each ratio's
+    numerator and the greedy reference, its round 0's for its own later rounds; sampled requests
+    are compared too, but agree only by chance) and the mean ratios per peer, first calls and
+    steady ones apart; returns the rows for the JSON."""
     ours = {r["round"]: r["calls"] for r in results if r["system"] == "pagedq"}
     rows = []
     for r in results:
         for i, c in enumerate(r["calls"]):
             base = ours[r["round"]][i]
+            # tokens: against the same round's pagedq; pagedq's own against its round 0's
+            ref = ours[0][i] if r["system"] == "pagedq" else base
             out = sum(len(s) for req in c["tokens"] for s in req)
             tok_s, tok_cpu = _rate(out, c["seconds"]), _rate(out, c["cpu_seconds"])
             base_out = sum(len(s) for req in base["tokens"] for s in req)
-            same, first = agreement(base["tokens"], c["tokens"])
+            same, first = agreement(ref["tokens"], c["tokens"])
+            reference = r["system"] == "pagedq" and r["round"] == 0
             rows.append({"system": r["system"], "round": r["round"], "call": _call_name(i),
                          "seconds": c["seconds"], "tok_s": tok_s,
                          "pagedq_x": _rate(base_out, base["seconds"]) / tok_s,
                          "cpu_seconds": c["cpu_seconds"], "tok_cpu_s": tok_cpu,
                          "pagedq_x_cpu": _rate(base_out, base["cpu_seconds"]) / tok_cpu,
                          "peak_rss_mb": r["peak_rss_mb"],
-                         "identical": f"{same}/{len(c['tokens'])}", "first_divergence": first,
+                         "identical": "reference" if reference else f"{same}/{len(c['tokens'])}",
+                         "first_divergence": first,
                          "load": r["load"], "extra": r.get("extra", {})})
     print(f"\n== {title} ==")
     keys = ["system", "round", "call", "seconds", "tok_s", "pagedq_x", "cpu_seconds",
@@ -191,7 +198,8 @@ def report(title: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     print("call: first, the process's first generate (no warm-up); steady, a later one on "
           "fresh prompts; pagedq x: the same round and call's pagedq over the row; cpu s: CPU "
           "seconds of the system's processes (vLLM's engine process included); identical: "
-          "requests whose tokens equal pagedq's; load: 1-min load average after the process "
+          "requests whose tokens equal the same round's pagedq's (pagedq's own later rounds: "
+          "its round 0's, the same prompts); load: 1-min load average after the process "
           "(above the thread count: shared); peak RSS: the process's, over all its calls")
     for system in dict.fromkeys(r["system"] for r in rows if r["system"] != "pagedq"):
         for call in dict.fromkeys(r["call"] for r in rows):
