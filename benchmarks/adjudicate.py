@@ -5,10 +5,10 @@ run: throughput.py's random-26m round 1 of session 59 gave vLLM 115/128 and 110/
 pagedq's same-round run, where the same prompts had agreed 128/128 in round 0 and did again in
 six later processes of each (two calls each). The table then left open which engine moved, so
 pagedq's later rounds are held to its round 0 (the same prompts), and the report keeps the
-diverging requests (``Divergence``, up to ``MAX_CASES`` a run and call) and asks transformers,
-the reference of pagedq's parity tests, for each: ``transformers`` greedy, batch 1, from the
-same prompt, and how many leading tokens each side shares with it. Greedy requests only: sampled
-ones agree by chance.
+diverging requests (``Divergence``, up to ``MAX_CASES`` a run and call: peers.py) and asks
+transformers, the reference of pagedq's parity tests, for each: ``transformers`` greedy, batch
+1, from the same prompt, and how many leading tokens each side shares with it. Greedy requests
+only: sampled ones agree by chance.
 """
 
 from __future__ import annotations
@@ -46,14 +46,12 @@ def adjudicate(model: Path, dtype: str, cases: list[Divergence]) -> list[dict[st
     transformers' greedy tokens, and which side is closer; printed and returned."""
     if not cases:
         return []
-    import torch
     from hf_runs import load_hf, static_batch
 
     hf = load_hf(model, argparse.Namespace(dtype=dtype, device="cpu"))
     verdicts = []
     for case in cases:
-        with torch.inference_mode():
-            ref = static_batch(hf, [case.prompt], len(case.reference))[0]
+        ref = static_batch(hf, [case.prompt], len(case.reference))[0]
         ours, theirs = _shared(ref, case.reference), _shared(ref, case.other)
         closer = ("reference" if ours > theirs else case.system if theirs > ours else "neither")
         verdicts.append({"system": case.system, "round": case.round, "call": case.call,
@@ -64,22 +62,3 @@ def adjudicate(model: Path, dtype: str, cases: list[Divergence]) -> list[dict[st
             f"reference, {theirs} with {case.system}'s")
     return verdicts
 
-
-def greedy_divergences(results: list[dict[str, Any]], calls: list[list[dict[str, Any]]]
-                       ) -> list[Divergence]:
-    """The greedy requests (one sample, temperature 0) on which a run left pagedq's reference
-    (its same round's run; for pagedq's own later rounds, its round 0: every round runs the
-    same prompts), up to MAX_CASES a run and call."""
-    ours = {r["round"]: r["calls"] for r in results if r["system"] == "pagedq"}
-    cases = []
-    for r in results:
-        if r["system"] == "pagedq" and r["round"] == 0:
-            continue
-        for i, c in enumerate(r["calls"]):
-            ref = ours[0 if r["system"] == "pagedq" else r["round"]][i]["tokens"]
-            found = [Divergence(r["system"], r["round"], i, k, req["prompt"], a[0], b[0])
-                     for k, (req, a, b) in enumerate(zip(calls[i], ref, c["tokens"],
-                                                         strict=True))
-                     if req["n"] == 1 and req["temperature"] == 0 and a != b]
-            cases += found[:MAX_CASES]
-    return cases

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from adjudicate import adjudicate, greedy_divergences
+from adjudicate import MAX_CASES, Divergence, adjudicate
 from common import OUT_DIR, format_table, log, write_json
 
 _HERE = Path(__file__).resolve().parent
@@ -163,6 +163,32 @@ def _call_name(call: int) -> str:
     return "first" if call == 0 else "steady"
 
 
+def _reference(ours: dict[int, list[dict[str, Any]]], run: dict[str, Any]
+               ) -> list[dict[str, Any]]:
+    """The pagedq calls whose tokens ``run``'s are held to: its same round's; for pagedq's own
+    later rounds, its round 0's (every round runs the same prompts)."""
+    return ours[0 if run["system"] == "pagedq" else run["round"]]
+
+
+def greedy_divergences(results: list[dict[str, Any]], calls: list[list[dict[str, Any]]]
+                       ) -> list[Divergence]:
+    """The greedy requests (one sample, temperature 0) on which a run left its reference
+    (``_reference``), up to MAX_CASES a run and call."""
+    ours = {r["round"]: r["calls"] for r in results if r["system"] == "pagedq"}
+    cases = []
+    for r in results:
+        if r["system"] == "pagedq" and r["round"] == 0:
+            continue
+        ref = _reference(ours, r)
+        for i, c in enumerate(r["calls"]):
+            found = [Divergence(r["system"], r["round"], i, k, req["prompt"], a[0], b[0])
+                     for k, (req, a, b) in enumerate(zip(calls[i], ref[i]["tokens"], c["tokens"],
+                                                         strict=True))
+                     if req["n"] == 1 and req["temperature"] == 0 and a != b]
+            cases += found[:MAX_CASES]
+    return cases
+
+
 def report(title: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Prints one row per run and call (pagedq's run of the same round and call as each ratio's
     numerator and the greedy reference, its round 0's for its own later rounds; sampled requests
@@ -172,9 +198,7 @@ def report(title: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for r in results:
         for i, c in enumerate(r["calls"]):
-            base = ours[r["round"]][i]
-            # tokens: against the same round's pagedq; pagedq's own against its round 0's
-            ref = ours[0][i] if r["system"] == "pagedq" else base
+            base, ref = ours[r["round"]][i], _reference(ours, r)[i]
             out = sum(len(s) for req in c["tokens"] for s in req)
             tok_s, tok_cpu = _rate(out, c["seconds"]), _rate(out, c["cpu_seconds"])
             base_out = sum(len(s) for req in base["tokens"] for s in req)

@@ -59,7 +59,8 @@ def test_throughput_peers(run_benchmark) -> None:
 ADJUDICATE = """
 import json, sys
 sys.path.append(sys.argv[1])
-from adjudicate import adjudicate, greedy_divergences
+from adjudicate import adjudicate
+from peers import greedy_divergences
 from engine import LLM, SamplingParams
 
 prompts = [[5, 9, 17, 33], [40, 41, 42, 43, 44, 45]]
