@@ -128,7 +128,10 @@ def serve_pagedq(args: argparse.Namespace, path: Path, traces: dict) -> dict[str
     server = RedisServer(data_dir=OUT_DIR / "serve-redis").start()
     worker = spawn(["worker", "--redis-url", server.url, "--queue", QUEUE, "--model", str(path),
                     "--device", "cpu", "--dtype", "float32", "--threads", str(args.threads),
-                    "--reserve-kv-cache", "true"],  # as vLLM allocates its pool at start-up
+                    "--reserve-kv-cache", "true",  # as vLLM allocates its pool at start-up
+                    # each step's chunk as it is made, as vLLM's server streams each token (its
+                    # stream_interval 1): ITL then compares gaps of the same kind
+                    "--stream-interval-ms", "0"],
                    "serve-worker.log")
 
     async def go() -> dict[str, Any]:

@@ -1,19 +1,22 @@
 """One user at a time (issue 16): single-stream decode speed and time to first token.
 
 One request at a time, greedy, ``ignore_eos``, --max-tokens new tokens, for each of
---prompt-lens random-token prompts; two ways, alternating over --rounds:
+--prompt-lens random-token prompts; three ways, alternating over --rounds:
 
 - ``LLM``: the engine's own step loop (``llm.engine``: add_request, then step until done); the
   time of each token is when ``step()`` returns it;
 - ``queue``: a ``Client`` (this process) streaming the job from a worker served by
-  ``python -m worker`` in a child process on a private redis-server, as deployed; the time of
-  each token is when ``handle.stream()`` yields its chunk.
+  ``python -m worker`` in a child process on a private redis-server, as deployed (chunks sent
+  each ``--stream-interval-ms``, 50 ms); the time of each token is when ``handle.stream()``
+  yields its chunk;
+- ``queue, each step``: the same from a second worker with ``--stream-interval-ms 0``, which
+  sends each step's chunk as it is made (the default before session 60).
 
 TTFT is from the submit to the first token; decode tok/s is (tokens - 1) over the time from the
 first token to the last. Beside them, the floor: a decode step reads every weight once (the
 tied lm_head once more, packed), so it takes at least weight bytes / memory bandwidth, the
 bandwidth measured here as the read rate of a 512 MB sum on the same threads. Greedy tokens
-must be equal both ways. Prints a table; writes benchmarks/out/single-stream-<model>.json.
+must be equal every way. Prints a table; writes benchmarks/out/single-stream-<model>.json.
 
     .venv/bin/python benchmarks/single_stream.py --model smollm2
 """
@@ -148,12 +151,13 @@ def start_llamacpp(args: argparse.Namespace, threads: int, stack: ExitStack
     return ways
 
 
-def start_worker(url: str, path: Path, threads: int, dtype: str) -> subprocess.Popen:
-    log_file = open(common.OUT_DIR / "single-stream-worker.log", "w")  # noqa: SIM115 (the child's)
+def start_worker(url: str, path: Path, threads: int, dtype: str, queue: str,
+                 interval: list[str]) -> subprocess.Popen:
+    log_file = open(common.OUT_DIR / f"single-stream-worker-{queue}.log", "w")  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "worker", "--redis-url", url, "--queue", "single",
+        [sys.executable, "-m", "worker", "--redis-url", url, "--queue", queue,
          "--model", str(path), "--device", "cpu", "--dtype", dtype,
-         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--threads", str(threads)],
+         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--threads", str(threads), *interval],
         stdout=log_file, stderr=subprocess.STDOUT, env=os.environ.copy(),
         cwd=_HERE.parent)  # from benchmarks/, queue.py would stand in for the stdlib's
 
@@ -180,10 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_queue:
             server = RedisServer().start()
             stack.callback(server.stop)
-            worker = start_worker(server.url, path, threads, args.dtype)
-            stack.callback(lambda: (worker.terminate(), worker.wait(60)))
-            client = Client(server.url, queue="single")
-            ways.append(("queue", lambda p: via_queue(client, p, args.max_tokens)))
+            for way, queue, interval in (("queue", "single", []), ("queue, each step", "steps",
+                                         ["--stream-interval-ms", "0"])):
+                worker = start_worker(server.url, path, threads, args.dtype, queue, interval)
+                stack.callback(lambda w=worker: (w.terminate(), w.wait(60)))
+                client = Client(server.url, queue=queue)
+                ways.append((way, lambda p, c=client: via_queue(c, p, args.max_tokens)))
         ways += start_llamacpp(args, threads, stack)
         for _way, run in ways:  # warm-up: numba's first calls, the worker's engine start
             run(common.random_prompt(rng, ids, 16))

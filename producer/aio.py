@@ -24,7 +24,7 @@ from . import core
 from .client import CANCEL_TTL, DEFAULT_URL, MAX_CONNECTIONS, POOL_TIMEOUT
 from .core import Entries, JobFailed, JobResult, Reader
 from .mux import Streams, Subscription
-from .protocol import Error, Event, cancel_key, results_key
+from .protocol import Error, Event, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply
 
 
@@ -156,7 +156,8 @@ class AsyncJobHandle:
         return core.status_of([event for _, event in entries])
 
     async def cancel(self) -> None:
-        await self.client.redis.set(cancel_key(self.id), 1, ex=self.client.cancel_ttl)
+        async with self.client.redis.pipeline(transaction=False) as pipe:
+            await core.cancel_commands(pipe, self.id, self.client.cancel_ttl).execute()
 
 
 class AsyncClient:

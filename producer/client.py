@@ -23,8 +23,9 @@ Decisions:
   and a thread that finds them all busy waits up to ``pool_timeout`` seconds for one.
 - ``stream(timeout)`` bounds the silence between events; ``result(timeout)`` the whole wait.
   Both raise ``TimeoutError``; an ``error`` event raises ``JobFailed``.
-- ``cancel()`` sets ``pagedq:cancel:{id}`` for ``cancel_ttl`` seconds; the worker aborts the
-  job within one engine step and ends its samples with finish reason ``abort``.
+- ``cancel()`` sets ``pagedq:cancel:{id}`` for ``cancel_ttl`` seconds and adds a notice to
+  ``pagedq:cancels`` (one pipeline, not a transaction: producers hold no MULTI); the worker
+  aborts the job within one engine step and ends its samples with finish reason ``abort``.
 """
 
 import queue
@@ -38,7 +39,7 @@ from redis.retry import Retry
 from . import core
 from .core import Entries, JobFailed, JobResult, Reader
 from .mux import Mux
-from .protocol import GROUP, Error, Event, cancel_key, dead_key, queue_key, results_key
+from .protocol import GROUP, Error, Event, dead_key, queue_key, results_key
 from .rq_mirror import enqueue_ops, enqueue_reply, worker_key
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -101,7 +102,8 @@ class JobHandle:
         return core.status_of([event for _, event in entries])
 
     def cancel(self) -> None:
-        self.client.redis.set(cancel_key(self.id), 1, ex=self.client.cancel_ttl)
+        with self.client.redis.pipeline(transaction=False) as pipe:
+            core.cancel_commands(pipe, self.id, self.client.cancel_ttl).execute()
 
 
 class Client:

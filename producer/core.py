@@ -20,6 +20,8 @@ from typing import Any
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from .protocol import (
+    CANCELS_KEY,
+    CANCELS_MAX_LEN,
     EVENT_FIELD,
     Chunk,
     Done,
@@ -29,6 +31,7 @@ from .protocol import (
     Job,
     Sampling,
     Usage,
+    cancel_key,
     explain,
 )
 
@@ -119,6 +122,14 @@ def xread_streams(reply: Any) -> list[tuple[str, Entries]]:
     if not reply:
         return []
     return list(reply.items()) if isinstance(reply, dict) else [(k, e) for k, e in reply]
+
+
+def cancel_commands(pipe: Any, job_id: str, ttl: int) -> Any:
+    """Adds a cancel to a pipeline (redis-py's, sync or asyncio): the job's cancel key, then a
+    notice on ``CANCELS_KEY`` for the workers that watch it. The key goes first: a worker that
+    reads the notice finds it set."""
+    return pipe.set(cancel_key(job_id), 1, ex=ttl).xadd(
+        CANCELS_KEY, {"job": job_id}, maxlen=CANCELS_MAX_LEN, approximate=True)
 
 
 def is_last(event: Event) -> bool:

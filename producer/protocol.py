@@ -8,6 +8,9 @@ id):
 - ``pagedq:results:{id}``: the job's result stream. Each entry has one field, ``event``: an
   ``Event`` as JSON. It expires ``result_ttl`` seconds after its last write.
 - ``pagedq:cancel:{id}``: present (with a TTL) once the job is to be canceled.
+- ``pagedq:cancels``: the cancel notices, one stream for every queue: an entry (field ``job``,
+  the id) follows each cancel key set, so that busy workers learn of it without asking
+  (``worker.service``); capped at about ``CANCELS_MAX_LEN`` entries.
 - ``pagedq:dead:{q}``: the dead-letter stream: entries with ``job`` (the raw field as received),
   ``reason`` and ``deliveries``.
 - ``pagedq:wake:{c}``: a client's wake-up stream (``c``: a random id per client): its reader
@@ -24,6 +27,8 @@ GROUP = "workers"
 PREFIX = "pagedq"
 MAX_N = 64  # samples per job: more is refused as absurd
 MAX_TOKENS = 1 << 20  # a hard ceiling; the worker also checks the model's context
+CANCELS_KEY = f"{PREFIX}:cancels"
+CANCELS_MAX_LEN = 1000  # notices are read as they land; old ones only wait for the trim
 
 
 def explain(error: Exception) -> str:

@@ -149,8 +149,11 @@ def test_results_equal_llm_generate_and_stream_in_order(redis_url, tiny_llama) -
 
 
 def test_cancel_aborts_within_one_step(redis_url, tiny_llama) -> None:
+    """A round trip each step (no stream interval), so each event is one step's and the events
+    after the cancel count the steps after it; the cancel key alone, as producers before the
+    notices set it (the held chunks and the notices: test_worker_stream_interval.py)."""
     client = Client(redis_url, queue=QUEUE)
-    with serving(redis_url, tiny_llama) as worker:
+    with serving(redis_url, tiny_llama, stream_interval_ms=0) as worker:
         job = client.submit("The queue", n=2, max_tokens=1500, ignore_eos=True, temperature=0,
                             stop=["<no stop string>"])  # holds text back: sent at the end
         wait_for(lambda: len(events_of(client.redis, job.id)) >= 6, what="first chunks")

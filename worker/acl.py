@@ -10,6 +10,7 @@ for hosts without compose.
 Why a producer's rules are narrow: its submit script (EVAL) needs its keys readable and
 writable, so ``rq:job:*`` is in its key patterns, but no command that reads a hash is granted
 there: it can create RQ records, never read them. ``SET`` is granted on cancel keys only,
+``XADD`` alone on the cancel notices (``pagedq:cancels``: it cannot read who cancelled what),
 ``EXPIRE`` on its wake-up streams only, ``HGETALL`` / ``SMEMBERS`` on worker records only (a
 selector each). It holds no XREADGROUP, XACK, XCLAIM or DEL: it cannot act as a worker. Result
 streams are read-only to it (``%R~pagedq:results:*``): only workers write them. Its submit

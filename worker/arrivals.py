@@ -1,4 +1,6 @@
-"""Noticing new jobs while busy, so that they start a step sooner.
+"""Noticing entries landing on a stream while busy: new jobs, so that they start a step sooner,
+and cancel notices (``pagedq:cancels``), so that the round trips the stream interval skips need
+not ask for cancellations (``worker.service``: ``_due``). One watcher (a thread) per stream.
 
 A busy worker reads new jobs in its publishing round trip, sent after a step and read back
 after the next one (``worker.publisher``): a job that lands during step N is read by the round
@@ -20,7 +22,8 @@ step that ends the waiting prompts' prefill: a 32-job burst's p50 TTFT (SmolLM2,
 1.30-1.34 s without the early reads and 1.9-2.3 s with them at every step.
 
 Cost: every watching worker receives each new entry once (one ``XREAD`` reply of one entry);
-fleets of many workers at high job rates can turn it off (``watch_arrivals``).
+fleets of many workers at high job rates can turn it off (``watch_arrivals``). Cancels are rare:
+their watcher runs whenever the stream interval is on.
 """
 
 import threading

@@ -93,6 +93,7 @@ class Batch:
     appends: dict[str, _Append] = field(default_factory=dict)
     mirror: Transitions = field(default_factory=Transitions)  # RQ transitions, fenced
     calls: list[Callable[[Pipeline], object]] = field(default_factory=list)
+    firsts: bool = False  # holds an event other than a running job's later chunks
 
     def event(self, job_id: str, start: int, event: Chunk | Done | End | Error,
               ack: str = "") -> None:
@@ -101,6 +102,14 @@ class Batch:
         append = self.appends.setdefault(job_id, _Append(start))
         append.events.append(event.model_dump_json())
         append.ack = append.ack or ack
+        self.firsts = self.firsts or not isinstance(event, Chunk) or event.seq == 0
+
+    @property
+    def urgent(self) -> bool:
+        """Whether it must go at once: it holds a sample's first chunk (time to first token),
+        a ``done``, ``end`` or ``error``, an RQ transition or another command; otherwise it
+        holds only running jobs' later chunks, which may wait for the stream interval."""
+        return self.firsts or bool(self.mirror or self.calls)
 
     def call(self, add: Callable[[Pipeline], object]) -> None:
         """Another command (a dead letter, an acknowledgement...), after the events."""
