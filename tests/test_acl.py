@@ -14,7 +14,7 @@ from test_gateway_batch import jsonl, line, wait_batch
 from test_worker import QUEUE, one_torch_thread, serving  # noqa: F401
 
 from producer import Client
-from producer.protocol import GROUP, cancel_key, dead_key, queue_key, results_key
+from producer.protocol import CANCELS_KEY, GROUP, cancel_key, dead_key, queue_key, results_key
 from producer.rq_mirror import job_key
 from worker.acl import placeholders
 
@@ -72,7 +72,8 @@ def test_each_user_does_its_job_and_nothing_else(urls, tiny_llama) -> None:
                     ("XTRIM", results_key(done.id), "MAXLEN", 0),
                     ("EVAL", "return redis.call('XADD', KEYS[1], '*', 'event', '{}')", 1,
                      results_key(done.id)),
-                    ("EXPIRE", queue_key(QUEUE), 1), ("GET", cancel_key(long.id))]:
+                    ("EXPIRE", queue_key(QUEUE), 1), ("GET", cancel_key(long.id)),
+                    ("XRANGE", CANCELS_KEY, "-", "+"), ("DEL", CANCELS_KEY)]:
         assert refused(p, *command), command
     app = make_flask_app(None, None, None, "")
     app.config["RQ_DASHBOARD_REDIS_URL"] = urls["dashboard"]
