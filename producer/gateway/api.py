@@ -3,10 +3,11 @@
 streamed as Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Decisions:
-- A client that goes away cancels its jobs (``pagedq:cancel:{id}``, seen by the worker within
-  one engine step): a streamed request when Starlette stops its generator, a plain one by
-  watching the connection for ``http.disconnect`` beside the wait, as vLLM's
-  ``with_cancellation`` does. The canceled request gets status 499 (nginx's "client closed").
+- A client that goes away cancels its jobs (``pagedq:cancel:{id}`` and a notice on
+  ``pagedq:cancels``, seen by the worker within one engine step): a streamed request when
+  Starlette stops its generator, a plain one by watching the connection for
+  ``http.disconnect`` beside the wait, as vLLM's ``with_cancellation`` does. The canceled
+  request gets status 499 (nginx's "client closed").
 - An error after the stream started (a job that failed in the worker, a timeout) comes as one
   ``data: {"error": ...}`` event before ``[DONE]``, as vLLM sends it; the other jobs of the
   request are canceled.
