@@ -200,10 +200,11 @@ class Worker:
         """Whether the round trip goes this tick, or the batch waits for a later one: it goes
         when a cancel notice landed (its job stops after the next step, as if asked in every
         step), when the batch is urgent (``Batch.urgent``), when stopping, and once the stream
-        interval has passed. One stream of SmolLM2 on 2 cores ran at 0.90-0.92 of ``LLM``'s
-        tok/s with a round trip each ~13 ms step, 0.97-0.99 with one each 50 ms (alternating
-        runs, session 60): each trip wakes the round-trip thread, redis-server and the
-        reader, and each wake-up takes a core from the step's threads."""
+        interval has passed. Serving one stream of SmolLM2 on 2 cores, a step that a round
+        trip overlapped took 0.7-1.1 ms longer than one that none did (medians, ~13-18 ms
+        steps, the same worker; session 60): each trip wakes the round-trip thread,
+        redis-server and the reader, and each wake-up takes a core from the step's threads.
+        At 50 ms, one step in four or five pays it."""
         noticed = self.cancels is not None and self.cancels.take()
         return (noticed or self._batch.urgent or not tick.taking
                 or tick.now - self._sent_at >= self.settings.stream_interval_ms / 1000)
