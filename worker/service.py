@@ -201,7 +201,7 @@ class Worker:
         when a cancel notice landed (its job stops after the next step, as if asked in every
         step), when the batch is urgent (``Batch.urgent``), when stopping, and once the stream
         interval has passed. Serving one stream of SmolLM2 on 2 cores, a step that a round
-        trip overlapped took 0.7-1.1 ms longer than one that none did (medians, ~13-18 ms
+        trip overlapped took 0.6-1.1 ms longer than one that none did (medians, ~13-18 ms
         steps, the same worker; session 60): each trip wakes the round-trip thread,
         redis-server and the reader, and each wake-up takes a core from the step's threads.
         At 50 ms, one step in four or five pays it."""
