@@ -60,7 +60,7 @@ def test_a_cancel_notice_stops_the_job_within_a_step(redis_url, smollm2) -> None
     the cancel: the step under way when it landed, or one more when the notice reached the
     watcher as that step ended. SmolLM2 (~30 ms steps on one thread), not the tiny model: the
     notice takes a wake-up or two on busy cores, milliseconds at worst, and the tiny model's
-    ~0.3 ms steps ran 8-25 past a cancel in 6 of 60 runs (RESULTS, session 60)."""
+    sub-millisecond steps ran 8-25 past a cancel in 6 of 60 runs (RESULTS, session 60)."""
     client = Client(redis_url, queue=QUEUE)
     with serving(redis_url, smollm2, stream_interval_ms=HOLD_MS) as worker:
         job = client.submit("The queue", n=2, max_tokens=1500, ignore_eos=True, temperature=0,
