@@ -204,7 +204,7 @@ class Worker:
         trip overlapped took 0.6-1.1 ms longer than one that none did (medians, ~13-18 ms
         steps, the same worker; session 60): each trip wakes the round-trip thread,
         redis-server and the reader, and each wake-up takes a core from the step's threads.
-        At 50 ms, one step in four or five pays it."""
+        At 50 ms, one step in four pays it."""
         noticed = self.cancels is not None and self.cancels.take()
         return (noticed or self._batch.urgent or not tick.taking
                 or tick.now - self._sent_at >= self.settings.stream_interval_ms / 1000)
