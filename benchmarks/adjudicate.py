@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import log
+from common import log, shared_prefix
 
 MAX_CASES = 4
 
@@ -36,11 +36,6 @@ class Divergence:
     other: list[int]
 
 
-def _shared(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                min(len(a), len(b)))
-
-
 def adjudicate(model: Path, dtype: str, cases: list[Divergence]) -> list[dict[str, Any]]:
     """Per case, the leading tokens pagedq's reference and the other run share with
     transformers' greedy tokens, and which side is closer; printed and returned."""
@@ -52,7 +47,7 @@ def adjudicate(model: Path, dtype: str, cases: list[Divergence]) -> list[dict[st
     verdicts = []
     for case in cases:
         ref = static_batch(hf, [case.prompt], len(case.reference))[0]
-        ours, theirs = _shared(ref, case.reference), _shared(ref, case.other)
+        ours, theirs = shared_prefix(ref, case.reference), shared_prefix(ref, case.other)
         closer = ("reference" if ours > theirs else case.system if theirs > ours else "neither")
         verdicts.append({"system": case.system, "round": case.round, "call": case.call,
                          "request": case.request, "tokens": len(ref),

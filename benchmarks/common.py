@@ -186,3 +186,9 @@ def check_lengths(system: str, tokens: list[list[int]], expected: list[int]) -> 
     if bad:
         raise RuntimeError(f"{system}: requests (index, generated, expected) {bad[:5]} did not "
                            f"generate their output length")
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))

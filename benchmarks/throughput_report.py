@@ -8,16 +8,13 @@ import argparse
 from dataclasses import asdict
 from typing import Any
 
-from common import OUT_DIR, Result, Workload, format_table, write_json
+from common import OUT_DIR, Result, Workload, format_table, shared_prefix, write_json
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> list[int | None]:
     """Per request: None where the tokens agree, else the index of the first difference."""
-    firsts: list[int | None] = []
-    for a, b in zip(reference, other, strict=True):
-        diff = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
-        firsts.append(diff[0] if diff else None if len(a) == len(b) else min(len(a), len(b)))
-    return firsts
+    return [None if a == b else shared_prefix(a, b)
+            for a, b in zip(reference, other, strict=True)]
 
 
 def report(name: str, wl: Workload, results: list[Result], checks: dict[str, Any],
