@@ -8,7 +8,8 @@ CPU probes in ``queue_probes.py``):
 1. Throughput (default model ``mid``, a random Llama, hidden 256, 4 layers): ``LLM.generate``
    against the same requests through the queue, --repeats pairs (queue_throughput.py).
 2. Added latency per chunk (same worker, other prompts, --latency-jobs jobs at once): from
-   ``engine.step``'s return to the client's read of each chunk (queue_latency.py).
+   ``engine.step``'s return to the client's read of each chunk (queue_latency.py), the stream
+   interval's hold included (``--stream-interval-ms 0``: the transport's alone).
 3. Jobs per second (default model ``tiny``): --jobs jobs with ``max_tokens=1`` through one
    worker, its loop's wall time split by part (queue_jobs.py).
 
@@ -81,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: every core)")
+    p.add_argument("--stream-interval-ms", type=float, default=None,
+                   help="the worker's: a running job's chunks held up to this long, which "
+                   "part 2 measures too (0: sent every step; unset: the worker's default, 50 "
+                   "where its torch threads take every core, else 0)")
     args = p.parse_args(argv)
     args.parts = [s for s in args.parts.split(",") if s]
     if bad := set(args.parts) - {"throughput", "latency", "jobs"}:
@@ -121,6 +126,7 @@ def throughput_and_latency(url: str, server_pid: int, args: argparse.Namespace,
         llm = LLM(**config.model_dump())
         warm_up(llm.engine, warm)
     with serving(settings, engine) as served:
+        result["stream_interval_ms"] = served.worker.stream_interval_s * 1000
         if llm is not None:
             result["throughput"] = throughput(served, llm, url, server_pid, workloads,
                                               prompt_lens, outputs, warm, args)

@@ -4,8 +4,9 @@ benchmark only) to record ``time.perf_counter()`` when it returns, keyed by (job
 token position); the client process reads each job with ``handle.stream()`` in a thread of its
 own, started and blocked in XREAD before the jobs are submitted, and records ``perf_counter()``
 when each chunk is yielded. perf_counter is CLOCK_MONOTONIC, one clock for every process of a
-Linux machine. Latency = received - produced: building the events, the publish round trip,
-Redis waking the reader, the reader's parse."""
+Linux machine. Latency = received - produced: the hold of the worker's stream interval (a
+running job's later chunks wait up to --stream-interval-ms; 0: none), building the events, the
+publish round trip, Redis waking the reader, the reader's parse."""
 
 from __future__ import annotations
 

@@ -76,8 +76,10 @@ def report(results: dict[str, Any], args: argparse.Namespace, threads: int) -> N
             ["  wall less the worker thread's waits for a CPU", jobs["jobs_s_no_wait"], "", ""],
             ["  jobs per worker CPU-second", jobs["jobs_per_worker_cpu_s"], "", ""],
         ]
-    print(f"\n== queue: one worker (in-process thread), {threads} torch thread(s), clients in a "
-          f"child process, private redis-server ==")
+    interval = results.get("stream_interval_ms")  # the worker's, as resolved
+    print(f"\n== queue: one worker (in-process thread, stream interval "
+          f"{'-' if interval is None else f'{interval:g}'} ms), {threads} torch thread(s), "
+          f"clients in a child process, private redis-server ==")
     print(format_table(["figure", "value", "target", "met"], rows))
     if tp:
         d, q = tp["direct"], tp["queue"]

@@ -40,7 +40,7 @@ def make_settings(url: str, queue_name: str, path: Path, num_kv_blocks: int,
     return Settings(redis_url=url, queue=queue_name, model=str(path), device="cpu",
                     dtype="float32", num_kv_blocks=num_kv_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    consumer=f"bench-{queue_name}")
+                    stream_interval_ms=args.stream_interval_ms, consumer=f"bench-{queue_name}")
 
 
 def warm_up(engine: LLMEngine, prompts: list[list[int]]) -> None:

@@ -6,9 +6,9 @@ One request at a time, greedy, ``ignore_eos``, --max-tokens new tokens, for each
 - ``LLM``: the engine's own step loop (``llm.engine``: add_request, then step until done); the
   time of each token is when ``step()`` returns it;
 - ``queue``: a ``Client`` (this process) streaming the job from a worker served by
-  ``python -m worker`` in a child process on a private redis-server, as deployed (chunks sent
-  each ``--stream-interval-ms``, 50 ms); the time of each token is when ``handle.stream()``
-  yields its chunk;
+  ``python -m worker`` in a child process on a private redis-server, as deployed (its default
+  stream interval: chunks sent each 50 ms where its threads take every core, else each step);
+  the time of each token is when ``handle.stream()`` yields its chunk;
 - ``queue, each step``: the same from a second worker with ``--stream-interval-ms 0``, which
   sends each step's chunk as it is made (the default before session 60).
 

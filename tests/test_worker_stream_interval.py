@@ -1,21 +1,26 @@
 """The stream interval (``stream_interval_ms``, worker/service.py ``_due``): a running job's
 later chunks wait for the interval, its first chunk and its end go at once, and a cancel is
-learnt from its notice on ``pagedq:cancels``, within a step, without a round trip each step."""
+learnt from its notice on ``pagedq:cancels``, within a step, without a round trip each step;
+unset, it holds chunks only where the engine's threads take every core (``stream_interval_s``)."""
 
+import os
 import time
 
+import torch
 from test_worker import (  # noqa: F401 (fixture)
     QUEUE,
     events_of,
     one_torch_thread,
     reference,
     serving,
+    settings,
     wait_for,
 )
 
 from producer import Client
 from producer.core import new_job
 from producer.protocol import Chunk, results_key
+from worker.service import stream_interval_s
 
 pytest_plugins = ["redis_fixtures"]  # a real redis-server per test
 HOLD_MS = 60_000.0  # longer than any test: nothing but urgent events and notices send
@@ -24,6 +29,19 @@ HOLD_MS = 60_000.0  # longer than any test: nothing but urgent events and notice
 def landings(conn, job_id: str) -> list[int]:
     """The millisecond of each event's landing, from its stream entry id."""
     return [int(entry_id.split("-")[0]) for entry_id, _ in conn.xrange(results_key(job_id))]
+
+
+def test_the_default_holds_chunks_where_the_step_takes_every_core(redis_url, tiny_llama) -> None:
+    """Unset: 50 ms with a torch thread on every core the worker may use, else 0 (a spare core
+    runs the round trip without slowing the step); set, as set. The worker's own engine."""
+    cores = len(os.sched_getaffinity(0))
+    with serving(redis_url, tiny_llama) as worker:
+        assert worker.stream_interval_s == (0.05 if cores == 1 else 0.0)  # one torch thread
+        torch.set_num_threads(cores)  # restored by one_torch_thread
+        assert stream_interval_s(worker.settings, worker.engine) == 0.05
+        for ms in (0.0, 20.0):
+            chosen = settings(redis_url, tiny_llama, "w", stream_interval_ms=ms)
+            assert stream_interval_s(chosen, worker.engine) == ms / 1000
 
 
 def test_later_chunks_wait_for_the_interval(redis_url, tiny_llama) -> None:

@@ -65,10 +65,10 @@ class Settings(BaseSettings):
     watch_arrivals: bool = Field(True, description="a busy worker notices new jobs (a blocked "
                                  "XREAD) and starts them a step sooner; each job then reaches "
                                  "every watching worker once")
-    stream_interval_ms: float = Field(
-        50.0, ge=0, description="a running job's chunks are written at most this often (a "
-        "job's first chunk and its end at once; 0: every step): a round trip adds ~1 ms to "
-        "the ~13 ms step it overlaps (worker/service.py)")
+    stream_interval_ms: float | None = Field(
+        None, ge=0, description="a running job's chunks are written at most this often (a "
+        "job's first chunk and its end at once; 0: every step); unset: 50 where the engine's "
+        "CPU threads take every core, else 0 (worker/service.py `stream_interval_s`)")
     stall_timeout: float = Field(300.0, gt=0,
                                  description="seconds without a loop tick before /healthz fails")
 
