@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
 
+# the unset stream interval where the engine's CPU threads take every core (service.py)
+BUSY_STREAM_INTERVAL_MS = 50.0
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="ignore")
@@ -67,8 +70,9 @@ class Settings(BaseSettings):
                                  "every watching worker once")
     stream_interval_ms: float | None = Field(
         None, ge=0, description="a running job's chunks are written at most this often (a "
-        "job's first chunk and its end at once; 0: every step); unset: 50 where the engine's "
-        "CPU threads take every core, else 0 (worker/service.py `stream_interval_s`)")
+        "job's first chunk and its end at once; 0: every step); unset: "
+        f"{BUSY_STREAM_INTERVAL_MS:g} where the engine's CPU threads take every core, else 0 "
+        "(worker/service.py `stream_interval_s`)")
     stall_timeout: float = Field(300.0, gt=0,
                                  description="seconds without a loop tick before /healthz fails")
 

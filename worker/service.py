@@ -16,7 +16,7 @@ from engine.outputs import RequestDelta
 from producer import rq_mirror
 from producer.protocol import CANCELS_KEY
 from worker.arrivals import Arrivals
-from worker.config import Settings
+from worker.config import BUSY_STREAM_INTERVAL_MS, Settings
 from worker.connection import DOWN, GaveUp, connect, retry
 from worker.consumer import Consumer, Delivery
 from worker.driver import Driver
@@ -50,7 +50,7 @@ def stream_interval_s(settings: Settings, engine: LLMEngine) -> float:
         return settings.stream_interval_ms / 1000
     cores = len(os.sched_getaffinity(0))
     busy = engine.device.type == "cpu" and torch.get_num_threads() >= cores
-    return 0.05 if busy else 0.0
+    return BUSY_STREAM_INTERVAL_MS / 1000 if busy else 0.0
 
 
 class Worker:
