@@ -1,7 +1,6 @@
 """A busy worker notices new jobs (worker/arrivals.py) and starts them in the step after the one
 under way when they landed, where reading them only in its overlapped round trip starts them a
-step later; an idle worker starts a burst in its first step. A real redis-server and SmolLM2
-(steps of ~30 ms on one thread) or the tiny Llama."""
+step later; a real redis-server and SmolLM2 (steps of ~30 ms on one thread)."""
 
 import random
 import threading
@@ -138,33 +137,6 @@ def test_no_early_read_behind_a_backlog(redis_url, tiny_llama) -> None:
         worker._tick()  # the two waiting start
         assert not worker.engine.has_waiting()
         assert worker._news_in_flight and not worker.arrivals._noticed
-    finally:
-        worker.stop()
-        worker.stop()
-        worker.run()  # stops at once: leaves the jobs pending, closes the watcher
-
-
-def test_an_idle_worker_starts_a_burst_in_its_first_step(redis_url, tiny_llama) -> None:
-    """The blocking read of an idle worker returns with a burst's first job; the jobs that
-    landed while it woke are read at once and start in the same step, not a step later. The
-    burst's other five jobs land as the read returns (its wrapper submits them). 64 sequences:
-    before its first job, the worker reads for 4-sample jobs (``worker.intake``'s seed)."""
-    worker = Worker(settings(redis_url, tiny_llama, "w1", max_num_seqs=64))
-    worker.consumer.ensure_group()
-    client = Client(redis_url, queue=QUEUE)
-    read = worker.consumer.read
-
-    def woken(count: int, block_ms: int) -> list:
-        first = read(count, block_ms)
-        client.submit_many([{"prompt": list(range(100 + 20 * i, 120 + 20 * i)),
-                             "max_tokens": 30} for i in range(1, 6)])
-        return first
-
-    worker.consumer.read = woken
-    try:
-        client.submit(list(range(100, 120)), max_tokens=30)
-        worker._tick()  # reads, admits and steps: every prompt's 20 tokens in the one step
-        assert len(worker.driver.jobs) == 6 and not worker.engine.has_waiting()
     finally:
         worker.stop()
         worker.stop()

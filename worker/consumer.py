@@ -145,17 +145,6 @@ class Consumer:
         those waiting (``_FAIR_READ``), to a pipeline; its reply goes to arrived()."""
         pipe.eval(_FAIR_READ, 1, self.key, GROUP, self.name, count, live_ms)
 
-    def read_waiting(self, count: int, live_ms: int) -> list[Delivery]:
-        """``read_in``'s read on its own, now: the jobs waiting in the stream, up to ``count``
-        and this worker's share, without blocking."""
-        def call() -> object:
-            try:
-                return self.conn.eval(_FAIR_READ, 1, self.key, GROUP, self.name, count, live_ms)
-            except redis.ResponseError as exc:
-                return exc
-
-        return self.arrived(retry(call, "read", self.give_up))
-
     def arrived(self, reply: object) -> list[Delivery]:
         """The new jobs in an XREADGROUP reply."""
         if isinstance(reply, redis.ResponseError):
