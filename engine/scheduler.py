@@ -16,8 +16,8 @@ wait shorter while the last prompt finishes no later (the same prompts are compu
 way). vLLM admits first come, first served. 32 prompts of 64-256 tokens added to the engine
 at once (SmolLM2, an Intel Xeon, 2 threads, three draws): first come, first served gave their
 first tokens at a median of 3.0-3.7 s, the last at 3.7-4.5 s; shortest first at 1.4-1.8 s, the
-last at 3.8-4.5 s. Through a worker (``benchmarks/serve.py``'s burst) the gain mostly vanishes:
-it reads a burst two steps' worth at a time (``worker/intake.py``), so fewer wait together. The
+last at 3.8-4.5 s. A worker reads up to four steps' worth at a time (``worker/intake.py``), so
+a burst waits together there too (at two steps' worth the gain had mostly vanished). The
 window bounds what a long prompt can be passed by: only prompts that arrived within the window
 after it.
 """
