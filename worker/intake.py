@@ -2,6 +2,12 @@
 (``LOOKAHEAD_STEPS`` steps), counted in sequence slots (each sample of a job counts), KV blocks
 and prefill tokens. The rest stay in the stream for its peers.
 
+Why: a job read is this worker's until it ends (a stream has no way to hand an entry back), so
+a worker that reads all it could ever hold (256 slots) keeps a burst waiting inside itself while
+its peers idle (96 jobs: 7.9 s on one worker, 8.1 s on two, before this). Reading only what
+starts soon lets a busy worker take less per read (its room is taken, its steps are longer)
+and an idle one take the rest within its next read.
+
 Four steps, not two: a burst then waits inside the engine together, where the scheduler
 starts its shortest prompts first (engine/scheduler.py). ``serve.py``'s burst (32 prompts of
 64-256 tokens, SmolLM2, 2,048-token steps of ~2.3 s on 2 cores; session 62): at two steps each
@@ -9,12 +15,6 @@ read took at most 16 jobs (4,096 tokens at 256 a job), the first full step finis
 them in landing order, and the p50 TTFT was 4.81-4.85 s; at four the step after the first job's
 finished 17 of them, p50 2.55-2.56 s, p99 and rates 1, 2 and 4 as before. ``scale.py``
 (96 jobs, 1 and 2 workers) split 48/48 either way, 1.74x against 1.78x.
-
-Why: a job read is this worker's until it ends (a stream has no way to hand an entry back), so
-a worker that reads all it could ever hold (256 slots) keeps a burst waiting inside itself while
-its peers idle (96 jobs: 7.9 s on one worker, 8.1 s on two, before this). Reading only what
-starts soon lets a busy worker take less per read (its room is taken, its steps are longer)
-and an idle one take the rest within its next read.
 
 A job's needs are only known once it is read, so a read is sized by the largest needs among
 the last ``WINDOW`` jobs this worker started; before the first, by a seed chosen large (4
