@@ -9,12 +9,45 @@
 #include "cpu_attention_columns.h"
 #include "cpu_kernels.h"
 
+/* pagedq_decode_attention's tasks: a row's chunk of keys, every KV head or one */
+struct decode_tasks {
+    const float *q;
+    int64_t ldq;
+    const stored_t *k_cache, *v_cache;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *context_lens;
+    const int64_t *first_chunk, *first_task;
+    int64_t split;
+    float scale;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float *part_m, *part_s, *part_acc;
+};
+
+static int attend_task(const struct decode_tasks *d, int64_t task) {
+    int64_t r = 0;
+    while (task >= d->first_task[r + 1]) r++;
+    const int64_t c = (task - d->first_task[r]) / d->split;
+    const int64_t h = (task - d->first_task[r]) % d->split * (d->num_kv_heads / d->split);
+    const int64_t part = d->first_chunk[r] + c, end = (c + 1) * CHUNK;
+    const int64_t t_end = end < d->context_lens[r] ? end : d->context_lens[r];
+    const int64_t q_size = d->num_heads * d->head_dim;
+    return NAME(pagedq_attend_parts)(d->q + r * d->ldq, 0, 1, d->k_cache, d->v_cache,
+                                     d->tables + r * d->table_stride, c * CHUNK, &t_end,
+                                     d->scale, d->num_heads, d->num_kv_heads, d->head_dim,
+                                     d->block_size, h, h + d->num_kv_heads / d->split,
+                                     d->part_m + part * d->num_heads,
+                                     d->part_s + part * d->num_heads, d->part_acc + part * q_size,
+                                     0, 0);
+}
+
 /* A decode step's attention: `rows` query tokens (q and out rows ldq apart), row r over its
  * first context_lens[r] keys (its blocks at tables + r * table_stride). A task per row and
  * chunk of keys, every KV head (their rows lie side by side: one thread read cold keys of 3
  * heads at 8.8 GB/s, of 1 head at 4.4, a Xeon), or per KV head too where the chunks are too
  * few for the threads, so that one long sequence uses every core; then each row's chunks
- * combined in order. Returns 0, or -1 where scratch memory could not be had. */
+ * combined in order (on one thread where `threads` is TEAM_TASKS: cpu_kernels.h). Returns 0,
+ * or -1 where scratch memory could not be had. */
 int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k_cache,
                                   const stored_t *v_cache, const int32_t *tables,
                                   int64_t table_stride, const int32_t *context_lens,
@@ -43,26 +76,27 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k
     }
     float *part_s = part_m + chunks * num_heads;
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t r = 0;
-        while (task >= first_task[r + 1]) r++;
-        const int64_t c = (task - first_task[r]) / split;
-        const int64_t h = (task - first_task[r]) % split * (num_kv_heads / split);
-        const int64_t part = first_chunk[r] + c, end = (c + 1) * CHUNK;
-        const int64_t t_end = end < context_lens[r] ? end : context_lens[r];
-        if (NAME(pagedq_attend_parts)(q + r * ldq, 0, 1, k_cache, v_cache,
-                                      tables + r * table_stride, c * CHUNK, &t_end, scale,
-                                      num_heads, num_kv_heads, head_dim, block_size, h,
-                                      h + num_kv_heads / split, part_m + part * num_heads,
-                                      part_s + part * num_heads, part_acc + part * q_size,
-                                      0, 0) != 0) {
+    const struct decode_tasks d = {q, ldq, k_cache, v_cache, tables, table_stride, context_lens,
+                                   first_chunk, first_task, split, scale, num_heads,
+                                   num_kv_heads, head_dim, block_size, part_m, part_s, part_acc};
+    if (threads == TEAM_TASKS) {
+#pragma omp taskloop num_tasks(TEAM_PARTS) shared(failed)
+        for (int64_t task = 0; task < tasks; task++)
+            if (attend_task(&d, task) != 0) {
 #pragma omp atomic write
-            failed = 1;
-        }
+                failed = 1;
+            }
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++)
+            if (attend_task(&d, task) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            }
     }
     const int64_t group = num_heads / num_kv_heads, combines = failed ? 0 : rows * num_kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(static) if (combines > 1)
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) \
+    if (combines > 1 && threads > 0)
     for (int64_t task = 0; task < combines; task++) {
         const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t part = first_chunk[r];

@@ -25,6 +25,21 @@ enum { LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK_SIZE, QKV_
 enum { INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE,
        NUM_TENSORS };
 
+/* The threads of a split step (pagedq_decode): how many have finished their shares, and how
+ * many kernels the others have run since as tasks that those threads could take. */
+struct team {
+    int idle;
+    int64_t helped;
+};
+
+/* The `threads` a product or attention of a share runs on: its own, or, once a thread of the
+ * split step is idle, TEAM_TASKS (counted in team->helped); `team` NULL where unsplit. */
+static int64_t on(struct team *team, int64_t threads) {
+    if (!team || !__atomic_load_n(&team->idle, __ATOMIC_RELAXED)) return threads;
+    __atomic_fetch_add(&team->helped, 1, __ATOMIC_RELAXED);
+    return TEAM_TASKS;
+}
+
 /* Every layer and the final norm for `rows` rows on `threads` threads (see pagedq_decode). The
  * row ops take the threads too: cpu_rows.c splits their rows only past PARALLEL_FROM floats,
  * with a row's bits the same on any thread. At 128 rows of SmolLM2 a layer's norms, rotary and
@@ -33,7 +48,7 @@ static int decode_rows(const int64_t *dims, const void *const *layers, const flo
                        const float *cos, const float *sin, float eps, float scale, float *x,
                        int64_t rows, const int64_t *positions, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, const int32_t *context_lens,
-                       int64_t threads) {
+                       int64_t threads, struct team *team) {
     const int64_t hidden = dims[HIDDEN], heads = dims[HEADS], kv_heads = dims[KV_HEADS];
     const int64_t head_dim = dims[HEAD_DIM], inter = dims[INTERMEDIATE];
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -56,7 +71,7 @@ static int decode_rows(const int64_t *dims, const void *const *layers, const flo
                             threads);
         }
         if (NAME(pagedq_gemv)(normed, hidden, rows, t[QKV], t[QKV_BIAS], qkv, qkv_size,
-                              qkv_size, hidden, dims[QKV_BLOCK], threads) != 0)
+                              qkv_size, hidden, dims[QKV_BLOCK], on(team, threads)) != 0)
             goto fail;
         pagedq_rotary(qkv, qkv_size, qkv + q_size, qkv_size, cos, sin, positions, q, k, rows,
                       heads, kv_heads, head_dim, threads);
@@ -64,17 +79,18 @@ static int decode_rows(const int64_t *dims, const void *const *layers, const flo
                               (stored_t *)t[V_CACHE], slots, rows, kv_size);
         if (NAME(pagedq_decode_attention)(q, q_size, t[K_CACHE], t[V_CACHE], tables,
                                           table_stride, context_lens, rows, scale, attn, heads,
-                                          kv_heads, head_dim, dims[BLOCK_SIZE], threads) != 0 ||
+                                          kv_heads, head_dim, dims[BLOCK_SIZE],
+                                          on(team, threads)) != 0 ||
             NAME(pagedq_gemv)(attn, q_size, rows, t[O_PROJ], 0, x, hidden, hidden, q_size,
-                              dims[O_BLOCK], threads) != 0)
+                              dims[O_BLOCK], on(team, threads)) != 0)
             goto fail;
         pagedq_rms_norm(x, residual, t[POST_NORM], eps, normed, residual, rows, hidden, threads);
-        if (NAME(pagedq_gemv)(normed, hidden, rows, t[GATE_UP], 0, gate_up, 2 * inter,
-                              2 * inter, hidden, dims[GATE_UP_BLOCK], threads) != 0)
+        if (NAME(pagedq_gemv)(normed, hidden, rows, t[GATE_UP], 0, gate_up, 2 * inter, 2 * inter,
+                              hidden, dims[GATE_UP_BLOCK], on(team, threads)) != 0)
             goto fail;
         pagedq_silu_and_mul(gate_up, act, rows, inter, threads);
         if (NAME(pagedq_gemv)(act, inter, rows, t[DOWN], 0, x, hidden, hidden, inter,
-                              dims[DOWN_BLOCK], threads) != 0)
+                              dims[DOWN_BLOCK], on(team, threads)) != 0)
             goto fail;
     }
     pagedq_rms_norm(x, residual, final_norm, eps, x, residual, rows, hidden, threads);
@@ -124,11 +140,13 @@ static int leaves_path(const int64_t *dims, int64_t rows, int64_t share) {
 /* x [rows][hidden]: the tokens' embeddings in, the final norm's output out. positions and
  * slots [rows]; tables [rows][table_stride] block ids; context_lens [rows] (this token
  * included). From split_rows rows a thread on (0: never), each thread runs the whole step on
- * its own share of the rows, alone, with no barrier between the threads; below them, or where
- * a share would take another product path than the batch (leaves_path), every product and
- * attention is split between the threads. Returns the shares the rows ran in (1, or threads
- * where split: what the tests observe), or -1 where scratch memory could not be had (x is
- * then undefined).
+ * its own share of the rows, alone, with no barrier between the threads, until one finishes:
+ * from then on the other shares' products and attention run as tasks (TEAM_TASKS) that the
+ * finished thread takes in the loop's barrier. Below split_rows, or where a share would take
+ * another product path than the batch (leaves_path), every product and attention is split
+ * between the threads. Returns the shares the rows ran in (1, or threads where split: what the
+ * tests observe), *helped the kernels run as tasks, or -1 where scratch memory could not be
+ * had (x is then undefined).
  *
  * Why split the rows: with every kernel split, both cores stream the attention's keys at once
  * and then both compute the products, so the memory idles while the FMAs work and the two
@@ -141,13 +159,24 @@ static int leaves_path(const int64_t *dims, int64_t rows, int64_t share) {
  * -> 22.0 (the weights, read by each thread, are then what bounds the step: hence a floor of
  * rows a thread, though only 2 threads were measured). A Xeon (session 29; one core reads far
  * less of the machine's bandwidth there) lost at 16 and 32 rows and drew level at 64:
- * engine/cpu_decode.py asks for the split on AMD's cores only. */
+ * engine/cpu_decode.py asks for the split on AMD's cores only.
+ *
+ * Why the tasks: the cut (cut_rows) evens the shares' costs, not the cores' speeds, and a VM's
+ * two cores drift apart in runs of tens of steps: timed per share on an AMD EPYC Zen 3,
+ * SmolLM2's 32-row steps left the faster thread waiting 4-9 % of the thread-seconds, and cuts
+ * made by the last steps' measured speeds only cut that to 6.4 % (session 63). With the tasks,
+ * the split steps of six 32-request calls (128 + 128 tokens), steps alternating with and
+ * without within each call, two processes: 0.91-0.96x the time (median 0.92). Row ops stay
+ * with the share's thread (a few per cent of a step). Each kernel's parts carry the bits of
+ * the whole: a task computes whole groups of outputs, or whole chunks of keys. */
 int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
                         const float *final_norm, const float *cos, const float *sin, float eps,
                         float scale, float *x, int64_t rows, const int64_t *positions,
                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
-                        const int32_t *context_lens, int64_t threads, int64_t split_rows) {
+                        const int32_t *context_lens, int64_t threads, int64_t split_rows,
+                        int64_t *helped) {
     int64_t *cuts = 0;
+    *helped = 0;
     if (threads >= 2 && split_rows > 0 && rows >= split_rows * threads) {
         cuts = malloc(sizeof(int64_t) * (size_t)(threads + 1));
         if (!cuts) return -1;
@@ -162,18 +191,23 @@ int NAME(pagedq_decode)(const int64_t *dims, const void *const *layers,
     }
     if (!cuts)
         return decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x, rows, positions,
-                           slots, tables, table_stride, context_lens, threads) == 0 ? 1 : -1;
+                           slots, tables, table_stride, context_lens, threads, 0) == 0 ? 1 : -1;
     int failed = 0;
+    struct team team = {0, 0};
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int64_t share = 0; share < threads; share++) {
         const int64_t r0 = cuts[share];
         if (decode_rows(dims, layers, final_norm, cos, sin, eps, scale, x + r0 * dims[HIDDEN],
                         cuts[share + 1] - r0, positions + r0, slots + r0,
-                        tables + r0 * table_stride, table_stride, context_lens + r0, 1) != 0) {
+                        tables + r0 * table_stride, table_stride, context_lens + r0, 1,
+                        &team) != 0) {
 #pragma omp atomic write
             failed = 1;
         }
+        /* on to the loop's barrier, where the thread runs the tasks of the shares still on */
+        __atomic_fetch_add(&team.idle, 1, __ATOMIC_RELAXED);
     }
     free(cuts);
+    *helped = team.helped;
     return failed ? -1 : (int)threads;
 }

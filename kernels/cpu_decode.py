@@ -32,7 +32,7 @@ class DecodeStep:
     (``cpu_bf16.c``'s build), the rest float32. ``cos`` and ``sin``: the rotary tables
     ``[positions, head_dim]``. ``split_rows``: from this many rows a thread on (0: never)
     each thread runs the whole step on its own share of the rows (``cpu_decode.c`` says when
-    that pays)."""
+    that pays), and a thread done with its share takes parts of the others' kernels."""
 
     def __init__(self, dims: dict[str, int], layers: list[dict[str, torch.Tensor | None]],
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
@@ -67,6 +67,8 @@ class DecodeStep:
         self._eps, self._scale = eps, scale
         self.split_rows = split_rows
         self.last_shares = 0  # the last call's: 1, or its threads where the rows were split
+        self.last_helped = 0  # the last call's kernels that a finished share's thread could help
+        self._helped = torch.zeros(1, dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -86,8 +88,8 @@ class DecodeStep:
             self._dims.data_ptr(), self._layers.data_ptr(), self._final_norm.data_ptr(),
             self._cos.data_ptr(), self._sin.data_ptr(), self._eps, self._scale, x.data_ptr(),
             rows, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            lens.data_ptr(), torch.get_num_threads(), self.split_rows)
+            lens.data_ptr(), torch.get_num_threads(), self.split_rows, self._helped.data_ptr())
         if shares < 0:
             raise MemoryError("the decode step could not allocate its scratch memory")
-        self.last_shares = shares
+        self.last_shares, self.last_helped = shares, int(self._helped)
         return x

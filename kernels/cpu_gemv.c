@@ -126,11 +126,64 @@ int NAME(pagedq_gemv_tiles)(int64_t rows, int64_t k) {
 #endif
 }
 
+/* pagedq_gemv's group g of `group` panels (see there) */
+static inline __attribute__((always_inline)) void gemv_group(
+        const input_t *in, int64_t ldin, int64_t rows, const stored_t *w, const float *bias,
+        float *y, int64_t ldy, int64_t n, int64_t steps, int64_t block, int64_t group,
+        int64_t panels, int64_t groups, int64_t g) {
+    const int64_t p0 = g * group, np = panels - p0 < group ? panels - p0 : group;
+    int64_t lanes[MAX_PANELS];
+    for (int64_t j = 0; j < np; j++)
+        lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
+    /* The next group's weights are asked of the memory while this group's FMAs run, a
+     * line of 64 bytes an input: with 1 tile, its first two panels in that tile (AVX2's
+     * groups of 3 for 2 rows leave the third to the hardware's prefetch); with 2, half
+     * in each; from 3 on, shared evenly by the tiles after the first, which compute on
+     * this group's weights from the cache; each tile spreads its share over its steps.
+     * Without it the memory and the FMAs had taken turns (SmolLM2's 121 layers, cold, 2
+     * threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8 ms, 16 rows 17.1 -> 12.7, 32 rows
+     * 26.0 -> 18.5-21, 64 rows 41.8 -> 36.5; one row, which computes too little to wait on
+     * the memory, gained nothing and is left out). Spread, not asked a line a step in one
+     * tile (AVX2's group of one panel had given a whole panel to tile 1, at the rate of
+     * its FMAs' reading from L1: ~32 GB/s a core); SmolLM2's 120 layers, cold, an AMD
+     * EPYC Zen 3, medians of 20 alternating in one process: 8 rows on 2 threads 37.2 ->
+     * 33.5 ms (ahead 20 of 20), 16 rows on 1 thread 88.0 -> 84.1 (20/20), on 2 49.3 ->
+     * 46.1 (17/20), 32 rows on 2 91.6 -> 90.5 (14/20). AVX-512's float32 products of
+     * more than TILE rows are chunked(); its bfloat16 build's 4 tiles or more now share
+     * too (not measured). */
+    const char *next = (const char *)(w + (p0 + group) * steps * STEP_ELEMS);
+    const int64_t next_panels = panels - p0 - np < group ? panels - p0 - np : group;
+    const int64_t lines = g + 1 < groups && rows > 1
+        ? next_panels * steps * STEP_ELEMS * (int64_t)sizeof(stored_t) / 64 : 0;
+    const int64_t tiles = (rows + TILE - 1) / TILE;
+    for (int64_t t = 0; t < tiles; t++) {
+        /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */
+        int64_t a = 0, na = 0, b = 0, nb = 0;
+        if (tiles == 1) {
+            na = lines < steps ? lines : steps;
+            b = steps, nb = lines - na;
+        } else if (tiles == 2 || t > 0) {
+            /* per <= steps: lines are a line a step for each of the group's panels, and
+             * a group of 2 tiles or more has no more panels (AVX2 1, AVX-512 2) than share */
+            const int64_t first = tiles == 2 ? 0 : 1, share = tiles - first;
+            const int64_t per = (lines + share - 1) / share;
+            a = (t - first) * per;
+            na = lines - a < per ? lines - a : per;
+        }
+        const int64_t r0 = t * TILE;
+        any_tile(in + r0 * ldin, ldin, rows - r0 < TILE ? rows - r0 : TILE, np,
+                 w + p0 * steps * STEP_ELEMS, bias ? bias + p0 * 16 : 0,
+                 y + r0 * ldy + p0 * 16, ldy, steps, block, lanes, next + a * 64,
+                 na > 0 ? na : 0, next + b * 64, nb > 0 ? nb : 0);
+    }
+}
+
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of FEW_ROWS_PANELS(rows)
  * panels, and each group's rows in tiles of TILE (its weights read again per tile, from the
- * cache). Returns 0, or -1 where the paired inputs' memory could not be had (y is then
- * undefined). */
+ * cache); `threads` TEAM_TASKS (cpu_kernels.h) makes the groups tasks, or the rows' parts
+ * past MANY_ROWS, or runs AMX's tiles on the calling thread. Returns 0, or -1 where the paired
+ * inputs' memory could not be had (y is then undefined). */
 int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads) {
@@ -150,7 +203,7 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
 #if AMX
     if (tiles) {
         memset(in + rows * steps, 0, sizeof(input_t) * (size_t)((padded - rows) * steps));
-        amx_gemv(in, ldin, rows, w, bias, y, ldy, n, steps, threads);
+        amx_gemv(in, ldin, rows, w, bias, y, ldy, n, steps, threads ? threads : 1);
         free(in);
         return 0;
     }
@@ -164,53 +217,14 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
     if (rows > TILE) return chunked(x, ldx, rows, w, bias, y, ldy, n, k, block, threads);
 #endif
 #endif
+    if (threads == TEAM_TASKS) {
+#pragma omp taskloop num_tasks(TEAM_PARTS)
+        for (int64_t g = 0; g < groups; g++)
+            gemv_group(in, ldin, rows, w, bias, y, ldy, n, steps, block, group, panels, groups, g);
+    } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t p0 = g * group, np = panels - p0 < group ? panels - p0 : group;
-        int64_t lanes[MAX_PANELS];
-        for (int64_t j = 0; j < np; j++)
-            lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
-        /* The next group's weights are asked of the memory while this group's FMAs run, a
-         * line of 64 bytes an input: with 1 tile, its first two panels in that tile (AVX2's
-         * groups of 3 for 2 rows leave the third to the hardware's prefetch); with 2, half
-         * in each; from 3 on, shared evenly by the tiles after the first, which compute on
-         * this group's weights from the cache; each tile spreads its share over its steps.
-         * Without it the memory and the FMAs had taken turns (SmolLM2's 121 layers, cold, 2
-         * threads, AMD EPYC Zen 5: 8 rows 16.3 -> 12.7-13.8 ms, 16 rows 17.1 -> 12.7, 32 rows
-         * 26.0 -> 18.5-21, 64 rows 41.8 -> 36.5; one row, which computes too little to wait on
-         * the memory, gained nothing and is left out). Spread, not asked a line a step in one
-         * tile (AVX2's group of one panel had given a whole panel to tile 1, at the rate of
-         * its FMAs' reading from L1: ~32 GB/s a core); SmolLM2's 120 layers, cold, an AMD
-         * EPYC Zen 3, medians of 20 alternating in one process: 8 rows on 2 threads 37.2 ->
-         * 33.5 ms (ahead 20 of 20), 16 rows on 1 thread 88.0 -> 84.1 (20/20), on 2 49.3 ->
-         * 46.1 (17/20), 32 rows on 2 91.6 -> 90.5 (14/20). AVX-512's float32 products of
-         * more than TILE rows are chunked(); its bfloat16 build's 4 tiles or more now share
-         * too (not measured). */
-        const char *next = (const char *)(w + (p0 + group) * steps * STEP_ELEMS);
-        const int64_t next_panels = panels - p0 - np < group ? panels - p0 - np : group;
-        const int64_t lines = g + 1 < groups && rows > 1
-            ? next_panels * steps * STEP_ELEMS * (int64_t)sizeof(stored_t) / 64 : 0;
-        const int64_t tiles = (rows + TILE - 1) / TILE;
-        for (int64_t t = 0; t < tiles; t++) {
-            /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */
-            int64_t a = 0, na = 0, b = 0, nb = 0;
-            if (tiles == 1) {
-                na = lines < steps ? lines : steps;
-                b = steps, nb = lines - na;
-            } else if (tiles == 2 || t > 0) {
-                /* per <= steps: lines are a line a step for each of the group's panels, and
-                 * a group of 2 tiles or more has no more panels (AVX2 1, AVX-512 2) than share */
-                const int64_t first = tiles == 2 ? 0 : 1, share = tiles - first;
-                const int64_t per = (lines + share - 1) / share;
-                a = (t - first) * per;
-                na = lines - a < per ? lines - a : per;
-            }
-            const int64_t r0 = t * TILE;
-            any_tile(in + r0 * ldin, ldin, rows - r0 < TILE ? rows - r0 : TILE, np,
-                     w + p0 * steps * STEP_ELEMS, bias ? bias + p0 * 16 : 0,
-                     y + r0 * ldy + p0 * 16, ldy, steps, block, lanes, next + a * 64,
-                     na > 0 ? na : 0, next + b * 64, nb > 0 ? nb : 0);
-        }
+        for (int64_t g = 0; g < groups; g++)
+            gemv_group(in, ldin, rows, w, bias, y, ldy, n, steps, block, group, panels, groups, g);
     }
 #if PAIRED
     free(in);

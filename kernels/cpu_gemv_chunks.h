@@ -90,50 +90,63 @@ static void any_chunk_tile(const float *x, int64_t ldx, int64_t rows, int64_t pa
 #undef CHUNK_CASE
 }
 
-/* pagedq_gemv's product for TILE < rows <= CHUNKED_ROWS (see above); returns 0 */
-static int chunked(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
-                    const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
-                    int64_t block, int64_t threads) {
+/* chunked's group g of PANELS panels */
+static void chunked_group(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
+                          const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                          int64_t block, int64_t g) {
     const int64_t panels = (n + 15) / 16, groups = (panels + PANELS - 1) / PANELS;
     const int64_t step = 16 * (int64_t)sizeof(stored_t);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 state[BLOCK_TILES * TILE * PANELS * 2];
-        const int64_t p0 = g * PANELS, np = panels - p0 < PANELS ? panels - p0 : PANELS;
-        const stored_t *wg = w + p0 * k * 16;
-        const char *next = (const char *)(w + (p0 + PANELS) * k * 16);
-        const int64_t next_panels = g + 1 < groups
-            ? (panels - p0 - np < PANELS ? panels - p0 - np : PANELS) : 0;
-        for (int64_t rb = 0; rb < rows; rb += BLOCK_TILES * TILE) {
-            const int64_t nrb = rows - rb < BLOCK_TILES * TILE ? rows - rb : BLOCK_TILES * TILE;
-            const int64_t tiles = (nrb + TILE - 1) / TILE;
-            for (int64_t k0 = 0, k1; k0 < k; k0 = k1) {
-                k1 = (k0 / block + 1) * block;
-                if (k1 > k0 + GEMV_CHUNK) k1 = k0 + GEMV_CHUNK;
-                if (k1 > k) k1 = k;
-                /* the first row block asks for the next group's lines of this chunk
-                 * (next_panels runs of c), a share to each tile: [a, a + na) */
-                const int64_t c = k1 - k0, lines = CHUNK_ASKS && rb == 0 ? next_panels * c : 0;
-                for (int64_t t = 0; t < tiles; t++) {
-                    const int64_t r0 = rb + t * TILE;
-                    const int64_t a = lines * t / tiles, na = lines * (t + 1) / tiles - a;
-                    const int64_t s1 = c ? a / c : 0, o1 = c ? a % c : 0;
-                    const int64_t n1 = na < c - o1 ? na : c - o1;
-                    any_chunk_tile(x + r0 * ldx, ldx, rows - r0 < TILE ? rows - r0 : TILE, np,
-                                   wg, k, k0, k1, block, state + t * TILE * PANELS * 2,
-                                   next + (s1 * k + k0 + o1) * step, n1 * step / 64,
-                                   next + ((s1 + 1) * k + k0) * step, (na - n1) * step / 64);
-                }
-            }
+    __m512 state[BLOCK_TILES * TILE * PANELS * 2];
+    const int64_t p0 = g * PANELS, np = panels - p0 < PANELS ? panels - p0 : PANELS;
+    const stored_t *wg = w + p0 * k * 16;
+    const char *next = (const char *)(w + (p0 + PANELS) * k * 16);
+    const int64_t next_panels = g + 1 < groups
+        ? (panels - p0 - np < PANELS ? panels - p0 - np : PANELS) : 0;
+    for (int64_t rb = 0; rb < rows; rb += BLOCK_TILES * TILE) {
+        const int64_t nrb = rows - rb < BLOCK_TILES * TILE ? rows - rb : BLOCK_TILES * TILE;
+        const int64_t tiles = (nrb + TILE - 1) / TILE;
+        for (int64_t k0 = 0, k1; k0 < k; k0 = k1) {
+            k1 = (k0 / block + 1) * block;
+            if (k1 > k0 + GEMV_CHUNK) k1 = k0 + GEMV_CHUNK;
+            if (k1 > k) k1 = k;
+            /* the first row block asks for the next group's lines of this chunk
+             * (next_panels runs of c), a share to each tile: [a, a + na) */
+            const int64_t c = k1 - k0, lines = CHUNK_ASKS && rb == 0 ? next_panels * c : 0;
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t r0 = rb + t * TILE, nr = rows - r0 < TILE ? rows - r0 : TILE;
-                for (int64_t j = 0; j < np; j++)  /* the totals: every second sum of state */
-                    store_panel(y + r0 * ldy + (p0 + j) * 16, ldy,
-                                state + (t * TILE * PANELS + j) * 2 + 1, PANELS * 2, nr,
-                                bias ? bias + (p0 + j) * 16 : 0,
-                                n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16);
+                const int64_t r0 = rb + t * TILE;
+                const int64_t a = lines * t / tiles, na = lines * (t + 1) / tiles - a;
+                const int64_t s1 = c ? a / c : 0, o1 = c ? a % c : 0;
+                const int64_t n1 = na < c - o1 ? na : c - o1;
+                any_chunk_tile(x + r0 * ldx, ldx, rows - r0 < TILE ? rows - r0 : TILE, np,
+                               wg, k, k0, k1, block, state + t * TILE * PANELS * 2,
+                               next + (s1 * k + k0 + o1) * step, n1 * step / 64,
+                               next + ((s1 + 1) * k + k0) * step, (na - n1) * step / 64);
             }
         }
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r0 = rb + t * TILE, nr = rows - r0 < TILE ? rows - r0 : TILE;
+            for (int64_t j = 0; j < np; j++)  /* the totals: every second sum of state */
+                store_panel(y + r0 * ldy + (p0 + j) * 16, ldy,
+                            state + (t * TILE * PANELS + j) * 2 + 1, PANELS * 2, nr,
+                            bias ? bias + (p0 + j) * 16 : 0,
+                            n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16);
+        }
+    }
+}
+
+/* pagedq_gemv's product for TILE < rows <= CHUNKED_ROWS (see above); returns 0 */
+static int chunked(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
+                   const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                   int64_t block, int64_t threads) {
+    const int64_t groups = ((n + 15) / 16 + PANELS - 1) / PANELS;
+    if (threads == TEAM_TASKS) {
+#pragma omp taskloop num_tasks(TEAM_PARTS)
+        for (int64_t g = 0; g < groups; g++)
+            chunked_group(x, ldx, rows, w, bias, y, ldy, n, k, block, g);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            chunked_group(x, ldx, rows, w, bias, y, ldy, n, k, block, g);
     }
     return 0;
 }

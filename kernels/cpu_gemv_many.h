@@ -53,32 +53,44 @@ static void many_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels,
     }
 }
 
+/* many_rows' share `part` of `parts`: whole tiles of rows */
+static void many_part(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
+                      const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
+                      int64_t block, int64_t part, int64_t parts) {
+    const int64_t panels = (n + 15) / 16;
+    const int64_t groups = (panels + MANY_PANELS - 1) / MANY_PANELS;
+    const int64_t tiles = (rows + MANY_TILE - 1) / MANY_TILE;
+    const int64_t begin = tiles * part / parts * MANY_TILE;
+    const int64_t last = tiles * (part + 1) / parts * MANY_TILE;  /* past its last tile */
+    const int64_t end = last < rows ? last : rows;
+    for (int64_t r0 = begin; r0 < end; r0 += MANY_BLOCK) {
+        const int64_t r1 = end - r0 < MANY_BLOCK ? end : r0 + MANY_BLOCK;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * MANY_PANELS;
+            const int64_t np = panels - p0 < MANY_PANELS ? panels - p0 : MANY_PANELS;
+            int64_t lanes[MANY_PANELS];
+            for (int64_t j = 0; j < np; j++)
+                lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
+            for (int64_t r = r0; r < r1; r += MANY_TILE)
+                many_tile(x + r * ldx, ldx, r1 - r < MANY_TILE ? r1 - r : MANY_TILE, np,
+                          w + p0 * k * 16, bias ? bias + p0 * 16 : 0, y + r * ldy + p0 * 16,
+                          ldy, k, block, lanes);
+        }
+    }
+}
+
 /* pagedq_gemv's product past CHUNKED_ROWS rows (see above); returns 0 */
 static int many_rows(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                      const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                      int64_t block, int64_t threads) {
-    const int64_t panels = (n + 15) / 16;
-    const int64_t groups = (panels + MANY_PANELS - 1) / MANY_PANELS;
-    const int64_t tiles = (rows + MANY_TILE - 1) / MANY_TILE;
+    if (threads == TEAM_TASKS) {
+#pragma omp taskloop num_tasks(TEAM_PARTS)
+        for (int64_t part = 0; part < TEAM_PARTS; part++)
+            many_part(x, ldx, rows, w, bias, y, ldy, n, k, block, part, TEAM_PARTS);
+    } else {
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int64_t part = 0; part < threads; part++) {
-        const int64_t begin = tiles * part / threads * MANY_TILE;
-        const int64_t last = tiles * (part + 1) / threads * MANY_TILE;  /* past its last tile */
-        const int64_t end = last < rows ? last : rows;
-        for (int64_t r0 = begin; r0 < end; r0 += MANY_BLOCK) {
-            const int64_t r1 = end - r0 < MANY_BLOCK ? end : r0 + MANY_BLOCK;
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t p0 = g * MANY_PANELS;
-                const int64_t np = panels - p0 < MANY_PANELS ? panels - p0 : MANY_PANELS;
-                int64_t lanes[MANY_PANELS];
-                for (int64_t j = 0; j < np; j++)
-                    lanes[j] = n - (p0 + j) * 16 < 16 ? n - (p0 + j) * 16 : 16;
-                for (int64_t r = r0; r < r1; r += MANY_TILE)
-                    many_tile(x + r * ldx, ldx, r1 - r < MANY_TILE ? r1 - r : MANY_TILE, np,
-                              w + p0 * k * 16, bias ? bias + p0 * 16 : 0, y + r * ldy + p0 * 16,
-                              ldy, k, block, lanes);
-            }
-        }
+        for (int64_t part = 0; part < threads; part++)
+            many_part(x, ldx, rows, w, bias, y, ldy, n, k, block, part, threads);
     }
     return 0;
 }

@@ -85,6 +85,15 @@ static inline __m512 load16_stored(const stored_t *p) {
 /* a token's attention is computed in chunks of this many key positions (cpu_attention.c) */
 #define CHUNK 256
 
+/* `threads` for a product or an attention that a share of cpu_decode.c's split step runs once
+ * another thread of the step has finished its own share: its work becomes TEAM_PARTS tasks of
+ * the step's OpenMP team, which the share's thread runs but for those the idle thread takes
+ * (in the loop's barrier) first. 8 parts: SmolLM2's split steps of 32 rows, an AMD EPYC Zen 3,
+ * steps alternating with and without: 4 parts 0.92-0.94x the time, 8 0.91-0.96, 16 0.90-0.95,
+ * 2 0.96-0.98. */
+#define TEAM_TASKS 0
+#define TEAM_PARTS 8
+
 int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads);

@@ -80,7 +80,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_silu_and_mul": ([_P, _P, _I, _I, _I], None),
     "pagedq_argmax": ([_P, _I, _I, _I, _P, _I], None),
     "pagedq_store_kv": ([_P, _I, _P, _I, _P, _P, _P, _I, _I], None),
-    "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I, _I], ctypes.c_int),
+    "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P], ctypes.c_int),
     "pagedq_greedy": ([_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _P, _F, _F, _P, _I, _P, _I],
                       None),
     "pagedq_bf16_rounding": ([_P, _I, _I, _I, _P], None),
