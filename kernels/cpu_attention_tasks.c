@@ -95,8 +95,8 @@ int NAME(pagedq_decode_attention)(const float *q, int64_t ldq, const stored_t *k
             }
     }
     const int64_t group = num_heads / num_kv_heads, combines = failed ? 0 : rows * num_kv_heads;
-#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) \
-    if (combines > 1 && threads > 0)
+#pragma omp parallel for num_threads(threads == TEAM_TASKS ? 1 : threads) schedule(static) \
+    if (combines > 1 && threads != TEAM_TASKS)
     for (int64_t task = 0; task < combines; task++) {
         const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t part = first_chunk[r];

@@ -203,7 +203,8 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
 #if AMX
     if (tiles) {
         memset(in + rows * steps, 0, sizeof(input_t) * (size_t)((padded - rows) * steps));
-        amx_gemv(in, ldin, rows, w, bias, y, ldy, n, steps, threads ? threads : 1);
+        amx_gemv(in, ldin, rows, w, bias, y, ldy, n, steps,
+                 threads == TEAM_TASKS ? 1 : threads);
         free(in);
         return 0;
     }

@@ -101,8 +101,8 @@ def test_rows_split_between_threads_keep_their_bits(threads: int, dtype: str, ti
     try:
         torch.set_num_threads(threads)
         helped = 0
-        # the last: one long row alone on 2 threads, done first, then helps the 127 others
-        # (past AVX2's 64 rows: the many-row product's parts as tasks)
+        # the last: one long row alone on 2 threads, usually done first, then helping the 127
+        # others (past AVX2's 64 rows: the many-row product's parts as tasks)
         cases = ((1, [600, 1, 2, 3]), (1, [1 + 37 * i % 400 for i in range(40)]),
                  (1, [2, 700] + [5] * 30), (21, [1 + i for i in range(40)]),
                  (1, [2000] + [1] * 127))
