@@ -22,6 +22,23 @@
 #ifdef __AVX512F__
 #define MANY_PANELS 4
 #define MANY_ROWS CHUNKED_ROWS
+/* On Intel each step of a tile asks for its panels' lines MANY_AHEAD steps on into L1 (`tile`'s
+ * `ahead`). Every tile after a block's first reads its group's weights (147-393 KB for
+ * SmolLM2) from L2, and there the tile ran at ~80 % of the FMAs' peak against 95 % with them
+ * in L1 (one thread, a Xeon with AMX, family 6 model 167: 6 x 4 at 128 inputs 222-229 GFLOP/s
+ * in L1, 168-189 over 2,016 rows of 576 x 3,072). Time with the asks against without, the same
+ * bits, 2 threads, 30 layers cold, medians of 8 alternating passes: SmolLM2's shapes at 2,048
+ * rows 0.974x (16 steps on: 0.989x), at 256 rows 0.960x; random-26m's at 2,048 rows 0.983x and
+ * 0.975x (16 on: 0.955x, 4 on: 0.981x). In the engine, random-26m's `throughput.py` workload,
+ * each shape's products alternating between two builds (ABBA), two calls: 0.975x and 0.986x
+ * the many-row products' time. The same asks in `chunked`'s first tile of a chunk (decode
+ * steps of 9-128 rows): level (0.998-1.011x, step by step). AMD's cores: not measured (a Zen
+ * 4's tiles already ran at 91-94 % of its peak), so none there. */
+#ifdef PAGEDQ_INTEL
+#define MANY_AHEAD 8
+#else
+#define MANY_AHEAD 0
+#endif
 #else
 /* AVX2: `tile`'s 6 x 16 (12 of 16 registers), past the decode batches (GEMV_ROWS, 64), where
  * the groups of one panel had read each panel once for all the rows and left oneDNN ahead.
@@ -30,6 +47,7 @@
  * against 154, 2,048 rows 180-183 against 155-161; blocks of 252 to 504 rows: level. */
 #define MANY_PANELS 1
 #define MANY_ROWS 64
+#define MANY_AHEAD 0
 #endif
 
 /* A tile of 1 to MANY_TILE rows by 1 to MANY_PANELS panels. */
@@ -40,7 +58,8 @@ static void many_tile(const float *x, int64_t ldx, int64_t rows, int64_t panels,
         switch (rows) {
 #define MANY_CASE(R)                                                                        \
             case R:                                                                         \
-                tile(x, ldx, R, MANY_PANELS, w, bias, y, ldy, k, block, lanes, 0, 0, 0, 0); \
+                tile(x, ldx, R, MANY_PANELS, w, bias, y, ldy, k, block, lanes, 0, 0, 0, 0,  \
+                     MANY_AHEAD);                                                           \
                 return;
             MANY_CASE(1) MANY_CASE(2) MANY_CASE(3) MANY_CASE(4) MANY_CASE(5)
             default: MANY_CASE(MANY_TILE)

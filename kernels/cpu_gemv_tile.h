@@ -42,17 +42,19 @@ static inline void ask_spread(const char *pf, int64_t pf_lines, int64_t every, i
 /* `panels` panels' outputs (16 each, `lanes[j]` of them real) for `rows` rows; both constants
  * where it is inlined. Panel j's weights at w + j * k * STEP_ELEMS, k its steps. The tile also
  * asks the memory for pf_lines lines from pf, spread over its steps (ask_spread), and step i
- * for the line pf2 + i * 64 where i is below pf2_lines (see pagedq_gemv). */
+ * for the line pf2 + i * 64 where i is below pf2_lines (see pagedq_gemv); `ahead` (a constant,
+ * float32 steps only): step i asks for each panel's line of step i + ahead into L1 (0: none;
+ * cpu_gemv_many.h says where and why). */
 static inline __attribute__((always_inline)) void tile(
         const input_t *x, int64_t ldx, const int rows, const int panels, const stored_t *w,
         const float *bias, float *y, int64_t ldy, int64_t k, int64_t block,
         const int64_t *lanes, const char *pf, int64_t pf_lines, const char *pf2,
-        int64_t pf2_lines) {
+        int64_t pf2_lines, const int ahead) {
     vec16 total[TILE][MAX_PANELS];
     const int64_t pf_every = pf_lines > 0 && k / pf_lines > 1 ? k / pf_lines : 1;
     int64_t pf_done = 0;
 #if PAIRED
-    (void)block;
+    (void)block, (void)ahead;
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < panels; j++) total[r][j] = zero16();
     for (int64_t i = 0; i < k; i++) {
@@ -76,6 +78,8 @@ static inline __attribute__((always_inline)) void tile(
             vec16 wv[MAX_PANELS];
             ask_spread(pf, pf_lines, pf_every, i, &pf_done);
             if (i < pf2_lines) _mm_prefetch(pf2 + i * 64, _MM_HINT_T0);
+            for (int j = 0; ahead && j < panels; j++)
+                _mm_prefetch((const char *)(w + j * k * 16 + (i + ahead) * 16), _MM_HINT_T0);
             for (int j = 0; j < panels; j++) {
                 wv[j] = load16_w(w + j * k * 16 + i * 16);
                 if (HELD(rows, panels)) HOLD(wv[j]);
@@ -103,7 +107,8 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
 #ifndef __AVX512F__ /* FEW_ROWS_PANELS past PANELS */
 #define FEW_CASE(R, P)                                                                      \
     if (rows == R && panels == P) {                                                         \
-        tile(x, ldx, R, P, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines);  \
+        tile(x, ldx, R, P, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2, pf2_lines,  \
+             0);                                                                            \
         return;                                                                             \
     }
     FEW_CASE(1, 4) FEW_CASE(1, 3) FEW_CASE(1, 2) FEW_CASE(2, 3) FEW_CASE(2, 2) FEW_CASE(3, 2)
@@ -113,10 +118,10 @@ static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels
     case R:                                                                                 \
         if (panels == PANELS)                                                               \
             tile(x, ldx, R, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,    \
-                 pf2_lines);                                                                \
+                 pf2_lines, 0);                                                             \
         else                                                                                \
             tile(x, ldx, R, 1, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,         \
-                 pf2_lines);                                                                \
+                 pf2_lines, 0);                                                             \
         break;
     switch (rows) {
         TILE_CASE(1)
