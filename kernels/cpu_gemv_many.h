@@ -27,7 +27,7 @@
  * SmolLM2) from L2, and there the tile ran at ~80 % of the FMAs' peak against 95 % with them
  * in L1 (one thread, a Xeon with AMX, family 6 model 167: 6 x 4 at 128 inputs 222-229 GFLOP/s
  * in L1, 168-189 over 2,016 rows of 576 x 3,072). Time with the asks against without, the same
- * bits, 2 threads, 30 layers cold, medians of 8 alternating passes: SmolLM2's shapes at 2,048
+ * bits, 2 threads, 30 layers cold, medians of 6-8 alternating passes: SmolLM2's shapes at 2,048
  * rows 0.974x (16 steps on: 0.989x), at 256 rows 0.960x; random-26m's at 2,048 rows 0.983x and
  * 0.975x (16 on: 0.955x, 4 on: 0.981x). In the engine, random-26m's `throughput.py` workload,
  * each shape's products alternating between two builds (ABBA), two calls: 0.975x and 0.986x
