@@ -1,5 +1,6 @@
-/* cpu_gemv.c's product for batches past MANY_ROWS rows (a prefill's; float32 or widened
- * bfloat16 panels): included there, after `any_tile`.
+/* cpu_gemv.c's product for batches past MANY_ROWS rows (a prefill's, and on Intel with AVX-512
+ * BF16 a decode step's of 65 rows or more: cpu_gemv_chunks.h; float32 or widened bfloat16
+ * panels): included there, after `any_tile`.
  *
  * Each thread takes its share of the rows (whole tiles) and walks them MANY_BLOCK rows at a
  * time, each block through every group of MANY_PANELS panels, so its inputs stay in the
