@@ -32,8 +32,8 @@
 /* Past CHUNKED_ROWS rows, cpu_gemv_many.h's 6 x 4 tiles. On Intel with AVX-512 BF16, where
  * those tiles ask for their weights ahead (MANY_AHEAD), from 65 rows: a Xeon with AMX (family
  * 6 model 167), 2 threads, the native decode step alternating between two builds step by step
- * (ABBA) over `throughput.py`'s workloads, steps of 65-128 rows took 0.973-0.976x the time
- * (random-26m, two calls; medians of the pairs' ratios) and 0.967x (SmolLM2, one call); from
+ * (ABBA) over `throughput.py`'s workloads, steps of 65-128 rows took 0.973-0.980x the time
+ * (random-26m, four calls; medians of the pairs' ratios) and 0.967x (SmolLM2, one call); from
  * 33 rows, steps of 33-64 rows 1.028-1.031x, and from 17, the batched call's 32-row steps
  * 1.16-1.17x. Elsewhere from 129 rows, as measured before those asks. */
 #if defined(PAGEDQ_INTEL) && defined(__AVX512BF16__)
