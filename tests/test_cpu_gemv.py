@@ -76,7 +76,7 @@ def test_few_rows_have_onednn_many_row_bits(in_features: int) -> None:
     assert GEMV_ROWS < 300
     # AVX-512: 9 to 128 chunked (to 64 on Intel with AVX-512 BF16), past it many_rows; AVX2:
     # past 64 many_rows (cpu_gemv.c)
-    for rows in (1, 2, 3, 4, 8, 13, 64, 65, 100, 129, GEMV_ROWS, 337, 1000):
+    for rows in (1, 2, 3, 4, 8, 13, 16, 64, 65, 100, 129, GEMV_ROWS, 337, 1000):
         for start in sorted({0, 7, 1000 - rows}):
             rows_x = x[start:start + rows]
             assert torch.equal(layer(rows_x), batch[start:start + rows])
