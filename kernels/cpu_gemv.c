@@ -190,9 +190,9 @@ static inline __attribute__((always_inline)) void gemv_group(
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
  * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of FEW_ROWS_PANELS(rows)
  * panels, and each group's rows in tiles of at most TILE, dealt evenly (its weights read again
- * per tile, from the cache); `threads` TEAM_TASKS (cpu_kernels.h) makes the groups tasks, or the rows' parts
- * past MANY_ROWS, or runs AMX's tiles on the calling thread. Returns 0, or -1 where the paired
- * inputs' memory could not be had (y is then undefined). */
+ * per tile, from the cache); `threads` TEAM_TASKS (cpu_kernels.h) makes the groups tasks, or
+ * the rows' parts past MANY_ROWS, or runs AMX's tiles on the calling thread. Returns 0, or -1
+ * where the paired inputs' memory could not be had (y is then undefined). */
 int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads) {
