@@ -91,7 +91,8 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 #else
 #define FEW_ROWS_PANELS(rows) ((rows) == 1 ? 4 : (rows) == 2 ? 3 : (rows) == 3 ? 2 : PANELS)
 #endif
-/* the most panels a tile takes: AVX2's one row, AVX-512's many rows (cpu_gemv_many.h) */
+/* the most panels a tile takes: AVX2's one row, AVX-512's many rows (cpu_gemv_many.h), the
+ * pairs' wide tiles */
 #define MAX_PANELS 4
 
 /* Where the CPU has AVX-512 BF16, the bfloat16 build takes its inputs in pairs: the rows
@@ -150,26 +151,26 @@ static inline __attribute__((always_inline)) void gemv_group(
      * 33.5 ms (ahead 20 of 20), 16 rows on 1 thread 88.0 -> 84.1 (20/20), on 2 49.3 ->
      * 46.1 (17/20), 32 rows on 2 91.6 -> 90.5 (14/20). AVX-512's float32 products of
      * more than TILE rows are chunked(); its bfloat16 build's 4 tiles or more now share
-     * too (not measured). */
+     * too (not measured), and where a tile's share is more lines than its steps (a lone
+     * tile; the pairs' wide groups in 2 or 3 tiles) it asks a line a step from a second
+     * run too. */
     const char *next = (const char *)(w + (p0 + group) * steps * STEP_ELEMS);
     const int64_t next_panels = panels - p0 - np < group ? panels - p0 - np : group;
     const int64_t lines = g + 1 < groups && rows > 1
         ? next_panels * steps * STEP_ELEMS * (int64_t)sizeof(stored_t) / 64 : 0;
-    const int64_t tiles = (rows + TILE - 1) / TILE;
+    const int64_t tiles = (rows + TILE_ROWS(rows) - 1) / TILE_ROWS(rows);
     for (int64_t t = 0; t < tiles; t++) {
-        /* this tile's lines: [a, a + na) and [b, b + nb) of the next group's */
-        int64_t a = 0, na = 0, b = 0, nb = 0;
+        /* this tile's `count` lines of the next group's from a: [a, a + na) and [b, b + nb) */
+        int64_t a = 0, count = 0;
         if (tiles == 1) {
-            na = lines < steps ? lines : steps;
-            b = steps, nb = lines - na;
+            count = lines;
         } else if (tiles == 2 || t > 0) {
-            /* per <= steps: lines are a line a step for each of the group's panels, and
-             * a group of 2 tiles or more has no more panels (AVX2 1, AVX-512 2) than share */
             const int64_t first = tiles == 2 ? 0 : 1, share = tiles - first;
             const int64_t per = (lines + share - 1) / share;
             a = (t - first) * per;
-            na = lines - a < per ? lines - a : per;
+            count = lines - a < per ? lines - a : per;
         }
+        const int64_t na = count < steps ? count : steps, b = a + na, nb = count - na;
         /* the rows dealt evenly over the tiles (16 rows: 6 + 5 + 5, not 6 + 6 + 4; 8 rows: 4 +
          * 4, not 6 + 2): a tile of few rows keeps too few FMA chains in flight to hide their
          * latency (AVX2, a lone tile from L3, one thread, an AMD EPYC Zen 3: 2 rows 45
@@ -188,15 +189,15 @@ static inline __attribute__((always_inline)) void gemv_group(
 }
 
 /* y[rows][n] (row stride ldy) = x[rows][k] (row stride ldx) times the panels' weights, plus
- * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of FEW_ROWS_PANELS(rows)
- * panels, and each group's rows in tiles of at most TILE, dealt evenly (its weights read again
- * per tile, from the cache); `threads` TEAM_TASKS (cpu_kernels.h) makes the groups tasks, or
- * the rows' parts past MANY_ROWS, or runs AMX's tiles on the calling thread. Returns 0, or -1
- * where the paired inputs' memory could not be had (y is then undefined). */
+ * bias (or NULL); rows > 0, k > 0. A thread takes whole groups of GROUP_PANELS(rows) panels,
+ * and each group's rows in tiles of at most TILE_ROWS(rows), dealt evenly (its weights read
+ * again per tile, from the cache); `threads` TEAM_TASKS (cpu_kernels.h) makes the groups
+ * tasks, or the rows' parts past MANY_ROWS, or runs AMX's tiles on the calling thread.
+ * Returns 0, or -1 where the paired inputs' memory could not be had (y is then undefined). */
 int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads) {
-    const int64_t group = FEW_ROWS_PANELS(rows);
+    const int64_t group = GROUP_PANELS(rows);
     const int64_t panels = (n + 15) / 16, groups = (panels + group - 1) / group;
 #if PAIRED
     const int64_t steps = (k + 1) / 2, ldin = steps;

@@ -1,6 +1,28 @@
 /* cpu_gemv.c's tiles: a tile's product over one pass of its panels' weights (`tile`), and
  * the dispatch to its instances by rows and panels (`any_tile`). Included there, after the
  * vectors' helpers and the tile constants. */
+/* Past TILE rows the pairs take wide tiles, WIDE_TILE rows by WIDE_PANELS panels (the float32
+ * many-row shape, cpu_gemv_many.h): 24 sums, each weight load feeding 6 vdpbf16ps and each
+ * input 4, where 8 x 2 fed 8 and 2. The groups (now of 4 panels) still split between the
+ * threads, so the weights are read once: split by rows (many_rows' way), each thread read all
+ * of them, and on 2 threads the wide tiles drew level with 8 x 2 (one thread: 0.89-0.91x the
+ * time). The sums run as before, so the bits stay. An AMD EPYC Zen 4 (AVX-512 BF16, no AMX),
+ * SmolLM2's 49,152 x 576 greedy-head copy, 2 threads, medians of 9 alternating: 9 rows 2.25 ->
+ * 1.94 ms, 16 rows 3.06 -> 2.80, 32 rows 5.57 -> 4.78, 64 rows 10.44 -> 9.32, 128 rows 20.60
+ * -> 18.87 (352 -> 384 GFLOP/s; the instruction's measured peak 466); 8 rows as two 4 x 4
+ * tiles 1.71 -> 1.89, so 8 x 2 up to TILE rows. In the engine, SmolLM2's throughput.py
+ * workload, the greedy head's calls alternating between the builds: 0.913-0.928x the time
+ * (medians by row count from 9 rows); the head of an 86 s call 3.46 -> 3.17 s (each half's
+ * sum doubled). */
+#if PAIRED
+#define WIDE_TILE 6
+#define WIDE_PANELS 4
+#define GROUP_PANELS(rows) ((rows) > TILE ? WIDE_PANELS : FEW_ROWS_PANELS(rows))
+#define TILE_ROWS(rows) ((rows) > TILE ? WIDE_TILE : TILE)
+#else
+#define GROUP_PANELS(rows) FEW_ROWS_PANELS(rows)
+#define TILE_ROWS(rows) TILE
+#endif
 /* One panel's sums for `rows` rows (sums[r * stride]), plus its bias (or NULL), into the
  * `lanes` real outputs of y's rows (ldy apart). */
 static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t stride,
@@ -98,12 +120,34 @@ static inline __attribute__((always_inline)) void tile(
                     lanes[j]);
 }
 
-/* One tile of `rows` rows (1 to TILE) and `panels` panels (1 to FEW_ROWS_PANELS(rows)), as
+/* One tile of `rows` rows (1 to TILE_ROWS) and `panels` panels (1 to GROUP_PANELS(rows)), as
  * constants. */
 static void any_tile(const input_t *x, int64_t ldx, int64_t rows, int64_t panels,
                      const stored_t *w, const float *bias, float *y, int64_t ldy, int64_t k,
                      int64_t block, const int64_t *lanes, const char *pf, int64_t pf_lines,
                      const char *pf2, int64_t pf2_lines) {
+#if PAIRED /* a wide group's tile; a layer's last group of 3 panels as 2 and 1 */
+    if (panels == WIDE_PANELS) {
+#define WIDE_CASE(R)                                                                        \
+        case R:                                                                             \
+            tile(x, ldx, R, WIDE_PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines,    \
+                 pf2, pf2_lines, 0);                                                        \
+            return;
+        switch (rows) {
+            WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4) WIDE_CASE(5)
+            default: WIDE_CASE(WIDE_TILE)
+        }
+#undef WIDE_CASE
+    }
+    if (panels > PANELS) {
+        any_tile(x, ldx, rows, PANELS, w, bias, y, ldy, k, block, lanes, pf, pf_lines, pf2,
+                 pf2_lines);
+        any_tile(x, ldx, rows, panels - PANELS, w + PANELS * k * STEP_ELEMS,
+                 bias ? bias + PANELS * 16 : 0, y + PANELS * 16, ldy, k, block, lanes + PANELS,
+                 0, 0, 0, 0);
+        return;
+    }
+#endif
 #ifndef __AVX512F__ /* FEW_ROWS_PANELS past PANELS */
 #define FEW_CASE(R, P)                                                                      \
     if (rows == R && panels == P) {                                                         \

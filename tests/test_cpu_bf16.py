@@ -114,6 +114,26 @@ def test_gemv_over_bf16_panels(rows: int, in_features: int,
     torch.testing.assert_close(got, x @ weight.float().T + bias, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("in_features", "out_features"), [(100, 33), (75, 112), (100, 160)])
+def test_gemv_over_bf16_panels_gives_a_row_its_bits_in_any_batch(in_features: int,
+                                                                 out_features: int) -> None:
+    """A row's outputs have the same bits in a batch of any size: where the CPU pairs bfloat16s,
+    its tiles of 8 rows by 2 panels up to 8 rows and of 6 by 4 past them (a layer's last group
+    of 1 to 3 panels, an odd input count; steps that AMX's tiles do not take, which would sum
+    otherwise); elsewhere the float32 build's sums of the widened weights."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(40, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    panels = cpu_gemv.pack_panels(weight)
+    full = cpu_gemv.gemv(x, panels, bias, out_features, 64)
+    for rows in (1, 2, 7, 8, 9, 13, 19, 25, 39):
+        assert torch.equal(cpu_gemv.gemv(x[40 - rows:], panels, bias, out_features, 64),
+                           full[40 - rows:]), rows
+    inputs = x.bfloat16().float() if cpu_gemv.paired() else x
+    torch.testing.assert_close(full, inputs @ weight.float().T + bias, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.skipif(not cpu_gemv.tiles(512, torch.bfloat16), reason="no AMX tiles on this CPU")
 @pytest.mark.parametrize(("in_features", "out_features"), [(512, 1024), (576, 33), (1536, 576)])
 def test_gemv_past_a_few_rows_takes_amx_tiles_the_same_in_any_batch(
