@@ -3,17 +3,17 @@
  * vectors' helpers and the tile constants. */
 /* Past TILE rows the pairs take wide tiles, WIDE_TILE rows by WIDE_PANELS panels (the float32
  * many-row shape, cpu_gemv_many.h): 24 sums, each weight load feeding 6 vdpbf16ps and each
- * input 4, where 8 x 2 fed 8 and 2. The groups (now of 4 panels) still split between the
- * threads, so the weights are read once: split by rows (many_rows' way), each thread read all
- * of them, and on 2 threads the wide tiles drew level with 8 x 2 (one thread: 0.89-0.91x the
- * time). The sums run as before, so the bits stay. An AMD EPYC Zen 4 (AVX-512 BF16, no AMX),
- * SmolLM2's 49,152 x 576 greedy-head copy, 2 threads, medians of 9 alternating: 9 rows 2.25 ->
- * 1.94 ms, 16 rows 3.06 -> 2.80, 32 rows 5.57 -> 4.78, 64 rows 10.44 -> 9.32, 128 rows 20.60
- * -> 18.87 (352 -> 384 GFLOP/s; the instruction's measured peak 466); 8 rows as two 4 x 4
- * tiles 1.71 -> 1.89, so 8 x 2 up to TILE rows. In the engine, SmolLM2's throughput.py
- * workload, the greedy head's calls alternating between the builds: 0.913-0.928x the time
- * (medians by row count from 9 rows); the head of an 86 s call 3.46 -> 3.17 s (each half's
- * sum doubled). */
+ * input 4, where 8 x 2 fed 8 and 2. The groups, now of 4 panels, still split between the
+ * threads, so that the weights are read once; split by rows instead (many_rows' way), each
+ * thread read all of them, and on 2 threads the wide tiles only drew level with 8 x 2 (on one
+ * thread: 0.89-0.91x the time). The sums run as before, so the bits stay. An AMD EPYC Zen 4
+ * (AVX-512 BF16, no AMX), SmolLM2's 49,152 x 576 greedy-head copy, 2 threads, medians of 9
+ * alternating: 9 rows 2.25 -> 1.94 ms, 16 rows 3.06 -> 2.80, 32 rows 5.57 -> 4.78, 64 rows
+ * 10.44 -> 9.32, 128 rows 20.60 -> 18.87 (352 -> 384 GFLOP/s; the instruction's measured peak
+ * 466); 8 rows as two 4 x 4 tiles 1.71 -> 1.89, so 8 x 2 up to TILE rows. In the engine,
+ * SmolLM2's throughput.py workload, the greedy head's calls alternating between the builds:
+ * 0.913-0.928x the time (medians by row count from 9 rows); the head of an 86 s call 3.46 ->
+ * 3.17 s (each half's sum doubled). */
 #if PAIRED
 #define WIDE_TILE 6
 #define WIDE_PANELS 4
