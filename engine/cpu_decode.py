@@ -25,7 +25,9 @@ from kernels import cpu_decode, cpu_native
 # decode steps of at least this many rows a thread run with each thread on its own share of the
 # rows, on AMD's cores (kernels/cpu_decode.c: a Zen 4, 2 threads, SmolLM2 float32 at 32 rows 49.8 ->
 # 47.2 ms a step, at 16 rows 24.3 -> 27.6; bfloat16 weights and pool at 32 rows 33.9 -> 33.5,
-# 64 rows 75.3 -> 67.9); 0 elsewhere: a Xeon lost at 32 rows, drew level at 64.
+# 64 rows 75.3 -> 67.9; a Zen 5, the native step alternating with the split off step by step
+# over throughput.py's workloads: unsplit took 1.13-1.16x the time at 33-128 rows on
+# random-26m, 1.03-1.04x on SmolLM2); 0 elsewhere: a Xeon lost at 32 rows, drew level at 64.
 SPLIT_ROWS = 16 if cpu_native.VENDOR == "AuthenticAMD" else 0
 # float32 decode steps of up to this many rows run natively where SPLIT_ROWS is set (AMD's
 # cores), past AVX2's GEMV_ROWS (64): on 2 threads or more such steps split, and each thread's

@@ -33,8 +33,9 @@
  * 0.975x (16 on: 0.955x, 4 on: 0.981x). In the engine, random-26m's `throughput.py` workload,
  * each shape's products alternating between two builds (ABBA), two calls: 0.975x and 0.986x
  * the many-row products' time. The same asks in `chunked`'s first tile of a chunk (decode
- * steps of 9-128 rows): level (0.998-1.011x, step by step). AMD's cores: not measured (a Zen
- * 4's tiles already ran at 91-94 % of its peak), so none there. */
+ * steps of 9-128 rows): level (0.998-1.011x, step by step). AMD's cores: none (a Zen 4's
+ * tiles already ran at 91-94 % of its peak; on a Zen 5 the asks drew level, 0.967-1.021x the
+ * time at 512 and 2,048 rows of SmolLM2's and random-26m's shapes, medians of 30). */
 #ifdef PAGEDQ_INTEL
 #define MANY_AHEAD 8
 #else
