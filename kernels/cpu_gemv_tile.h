@@ -45,9 +45,9 @@ static inline void store_panel(float *y, int64_t ldy, const vec16 *sums, int64_t
  * One thread, an AMD EPYC Zen 3, rates with the weights in L3 (4 products of 576 x 576, 200
  * passes): 16 rows 55 -> 88 GFLOP/s, 32 rows 54 -> 88, 64 rows 53 -> 93, 16 rows of 576 x
  * 1,536 52 -> 83; in L2 the lone 6-row tile 56 -> 83. AVX-512's 32 registers: left folded.
- * Held there too (every tile fits), an AMD EPYC Zen 5's many-row products (2 loads of 512 bits
- * a cycle, 2 FMAs) took 0.99-1.01x the time (SmolLM2's and random-26m's shapes, 512 and 2,048
- * rows, 2 threads, medians of 30 alternating): the folded loads do not bound a tile there. */
+ * Held there too (every tile fits), an AMD EPYC Zen 5's many-row products took 0.99-1.01x the
+ * time (SmolLM2's and random-26m's shapes, 512 and 2,048 rows, 2 threads, medians of 30
+ * alternating): the folded loads do not bound a tile there. */
 #ifdef __AVX512F__
 #define HELD(rows, panels) 0
 #define HOLD(v) ((void)0)
