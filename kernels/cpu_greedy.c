@@ -13,59 +13,14 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "cpu_kernels.h"
-
-#define SMALLEST_NORMAL 1.17549435e-38f
-
-/* ||x - x'||: x' the inputs as the bfloat16 product takes them (rounded to nearest even, and
- * an input whose bfloat16 is below float's normal range counted whole: the instructions take
- * such inputs as zero) */
-static double bf16_rounding_norm(const float *x, int64_t k) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < k; i++) {
-        const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
-        float rounded;
-        memcpy(&rounded, &bits, sizeof rounded);
-        const double d = fabsf(rounded) < SMALLEST_NORMAL ? fabsf(x[i]) : fabsf(x[i] - rounded);
-        sum += d * d;
-    }
-    return sqrt(sum);
-}
+#include "cpu_greedy.h"
 
 /* rounding[r]: ||x - x'|| of row r (bf16_rounding_norm), rounded up */
 void pagedq_bf16_rounding(const float *x, int64_t ldx, int64_t rows, int64_t k,
                           float *rounding) {
     for (int64_t r = 0; r < rows; r++)
         rounding[r] = (float)(bf16_rounding_norm(x + r * ldx, k) * (1.0 + 1e-6));
-}
-
-/* Output j of x times the float32 weights in cpu_gemv.c's order: K in blocks of `block`
- * inputs, each an FMA chain from zero in input order, the blocks' sums added in order (the
- * layer has no bias). Weight (j, i) at w[j / 16 * strides[0] + j % 16 * strides[1] + i *
- * strides[2]]: the panels [vocab / 16][k][16], or rows [vocab][k] (a tied embedding's, which
- * a token reads as 2 KB in a run where a panel's column spans a line an input). */
-static float exact_logit(const float *x, const float *w, const int64_t *strides, int64_t k,
-                         int64_t block, int64_t j) {
-    const float *wj = w + j / 16 * strides[0] + j % 16 * strides[1];
-    const int64_t step = strides[2];
-    float total = 0.0f;
-    for (int64_t k0 = 0; k0 < k; k0 += block) {
-        const int64_t k1 = k0 + block < k ? k0 + block : k;
-        float part = 0.0f;
-        for (int64_t i = k0; i < k1; i++) part = fmaf(x[i], wj[i * step], part);
-        total = k0 == 0 ? part : total + part;
-    }
-    return total;
-}
-
-/* A token's bound, widened by far more than the float arithmetic computing it can be off (its
- * products and sums, 1e-3 of it; the approximate logit's rounding in the comparisons, 2^-20 of
- * it) */
-static inline float bound(float a, float p, float q, float nx, float nd) {
-    return (nx * p + nd * q) * 1.001f + fabsf(a) * 0x1p-20f + 1e-30f;
 }
 
 /* Row r's token: tokens[r] = the lowest id of the highest float32 logit, or -1 where the
@@ -89,9 +44,7 @@ void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *appro
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx, *a = approx + r * ld_approx;
-        double norm = 0.0;
-        for (int64_t i = 0; i < k; i++) norm += (double)xr[i] * xr[i];
-        const float nx = (float)(sqrt(norm) * (1.0 + 1e-6));
+        const float nx = norm_up(xr, k);
         const float nd = rounding ? rounding[r] : 0.0f;
         tokens[r] = -1;
         const int64_t whole = vocab / 8 * 8;
@@ -118,28 +71,24 @@ void pagedq_greedy(const float *x, int64_t ldx, int64_t rows, const float *appro
             continue;
         int64_t best = 0;
         while (a[best] != high) best++;
-        float top = exact_logit(xr, w, strides, k, block, best);
+        settling s = settle_from(xr, w, strides, k, block, p, q, nx, nd, best);
         /* no token's bound exceeds this */
         const float widest = bound(fabsf(high) > fabsf(low) ? high : low, p_max, q_max, nx, nd);
-        int64_t seen = 1;
-        for (int64_t j = 0; j < vocab && seen <= max_candidates && isfinite(top); j += 8) {
+        for (int64_t j = 0; j < vocab && s.seen <= max_candidates && isfinite(s.top); j += 8) {
             int mask;
             if (j + 8 <= vocab) {
                 mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + j),
-                                                        _mm256_set1_ps(top - widest),
+                                                        _mm256_set1_ps(s.top - widest),
                                                         _CMP_GE_OQ));
             } else {
                 mask = 0;
-                for (int i = 0; j + i < vocab; i++) mask |= (a[j + i] >= top - widest) << i;
+                for (int i = 0; j + i < vocab; i++) mask |= (a[j + i] >= s.top - widest) << i;
             }
             for (; mask; mask &= mask - 1) {
                 const int64_t id = j + __builtin_ctz((unsigned)mask);
-                if (id == best || a[id] + bound(a[id], p[id], q[id], nx, nd) < top) continue;
-                const float logit = exact_logit(xr, w, strides, k, block, id);
-                seen = isfinite(logit) ? seen + 1 : max_candidates + 1;
-                if (logit > top || (logit == top && id < best)) top = logit, best = id;
+                consider(&s, id, a[id], max_candidates);
             }
         }
-        tokens[r] = seen <= max_candidates && isfinite(top) ? best : -1;
+        tokens[r] = settled(&s, max_candidates);
     }
 }

@@ -98,6 +98,14 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
                       const float *bias, float *y, int64_t ldy, int64_t n, int64_t k,
                       int64_t block, int64_t threads);
 int NAME(pagedq_gemv_tiles)(int64_t rows, int64_t k);
+/* Where a product's sums go in place of its output (pagedq_gemv_sink, AMX's tiles): out[2i + j]
+ * holds rows r0 + 16i to r0 + 16i + 15 (those below `rows`) by outputs o0 + 16j on (those
+ * below n), out[.][r][lane] */
+typedef void (*gemv_sink)(void *ctx, float (*out)[16][16], int64_t r0, int64_t o0, int64_t rows,
+                          int64_t n);
+int pagedq_gemv_tiles_bf16(int64_t rows, int64_t k);
+int pagedq_gemv_sink_bf16(const float *x, int64_t ldx, int64_t rows, const uint16_t *w,
+                          int64_t n, int64_t k, gemv_sink sink, void *ctx, int64_t threads);
 int NAME(pagedq_attend_parts)(const float *q, int64_t ldq, int64_t nq,
                               const stored_t *k_cache, const stored_t *v_cache,
                               const int32_t *table, int64_t t_begin, const int64_t *t_end,

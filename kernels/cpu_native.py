@@ -11,7 +11,8 @@ from every source:
   batch size;
 - ``cpu_decode.c``, a whole decode step over the others;
 - ``cpu_greedy.c``, a greedy step's tokens from a copy of the output layer's logits and a bound
-  (``kernels.cpu_greedy``), and ``cpu_screen.c``, those logits from its int8 copy;
+  (``kernels.cpu_greedy``), ``cpu_greedy_tiles.c``, the same screen inside the bfloat16 copy's
+  product on AMX's tiles, and ``cpu_screen.c``, the logits of its int8 copy;
 - ``cpu_bf16.c``, the products, the attention and the decode step compiled again for bfloat16
   weights and KV pools (float32 arithmetic), their functions named with ``_bf16``.
 
@@ -45,8 +46,8 @@ from typing import Any
 import torch
 
 _SOURCES = ("cpu_attention.c", "cpu_attention_tasks.c", "cpu_gemv.c", "cpu_rows.c",
-            "cpu_decode.c", "cpu_bf16.c", "cpu_greedy.c", "cpu_screen.c")
-_HEADERS = ("cpu_kernels.h", "cpu_attention_ahead.h", "cpu_attention_columns.h",
+            "cpu_decode.c", "cpu_bf16.c", "cpu_greedy.c", "cpu_greedy_tiles.c", "cpu_screen.c")
+_HEADERS = ("cpu_kernels.h", "cpu_greedy.h", "cpu_attention_ahead.h", "cpu_attention_columns.h",
             "cpu_attention_values.h", "cpu_attention_pairs.h", "cpu_gemv_amx.h",
             "cpu_gemv_chunks.h", "cpu_gemv_many.h", "cpu_gemv_tile.h")
 # PAGEDQ_NATIVE_MARCH: another -march than this CPU's (haswell, say: the AVX2 build), to test
@@ -83,6 +84,8 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
     "pagedq_decode": ([_P] * 5 + [_F, _F, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P], ctypes.c_int),
     "pagedq_greedy": ([_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _P, _P, _F, _F, _P, _I, _P, _I],
                       None),
+    "pagedq_greedy_tiles": ([_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _P, _F, _F, _I, _I, _P, _I],
+                            ctypes.c_int),
     "pagedq_bf16_rounding": ([_P, _I, _I, _I, _P], None),
     "pagedq_screen": ([_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "pagedq_bf16_paired": ([], ctypes.c_int),

@@ -155,6 +155,36 @@ def test_int8_bound_covers_the_rounding_that_reorders_tokens() -> None:
     assert tokens.tolist() == _reference(x, panels, vocab, hidden).tolist() == [40, 20]
 
 
+@pytest.mark.skipif(not cpu_gemv.tiles(576, torch.bfloat16), reason="no AMX tiles here")
+def test_amx_screen_gives_the_written_logits_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The screen inside AMX's product (``cpu_greedy_tiles.c``) against the screen of the
+    logits written out: the same tokens, the float32 argmax, on random rows and near ties,
+    and on a layer whose logits rise along the vocabulary, so that every token is the running
+    best when it comes and each thread's kept tokens fill their list, which sheds those the
+    risen threshold passes over."""
+    vocab, hidden = 4099, 576
+    gen = torch.Generator().manual_seed(6)
+    rise = torch.randn(hidden, generator=gen)
+    rise /= rise.norm()
+    rising = torch.randn(vocab, hidden, generator=gen) * 1e-6 + rise * torch.arange(
+        vocab).unsqueeze(1) * 1e-3
+    for weight, x in [
+        (_layer(vocab, hidden, 6), torch.cat([torch.randn(30, hidden, generator=gen) * 20,
+                                              _layer(vocab, hidden, 6)[[0, 11]] * 400])),
+        (rising, rise * torch.tensor([[20.0], [50.0], [200.0], [1000.0]] * 3)),
+    ]:
+        panels = cpu_gemv.pack_panels(weight)
+        weights = cpu_greedy.prepare(weight, panels, hidden, torch.bfloat16)
+        with monkeypatch.context() as patched:
+            patched.setattr(cpu_greedy, "_tiles_tokens", lambda *args: False)
+            written = cpu_greedy.tokens(x, weights)
+        screened = cpu_greedy.tokens(x, weights)
+        assert (screened >= 0).all()
+        assert torch.equal(screened, written)
+        assert torch.equal(screened, _reference(x, panels, vocab, hidden))
+    assert vocab > 2 * cpu_greedy.SCREEN_KEPT and (screened == vocab - 1).all()
+
+
 @pytest.mark.parametrize("copy", COPIES)
 def test_non_finite_rows_are_left_to_the_layer(copy: torch.dtype) -> None:
     weight = _layer(300, 32, 2)
