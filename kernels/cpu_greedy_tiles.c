@@ -22,6 +22,7 @@
 
 #include "cpu_greedy.h"
 
+#ifdef __AVX512F__ /* AMX comes with it; elsewhere pagedq_greedy_tiles declines */
 #define SCREEN_E 0x1p-18f
 
 /* a row's screen on one thread: its highest so far and the threshold from it, the tokens
@@ -186,3 +187,14 @@ done:
     free(norms), free(state), free(ids), free(values);
     return status;
 }
+#else
+int pagedq_greedy_tiles(const float *x, int64_t ldx, int64_t rows, const uint16_t *panels,
+                        int64_t vocab, const float *w, const int64_t *strides, int64_t k,
+                        int64_t block, const float *p, const float *q, float p_max, float q_max,
+                        int64_t cap, int64_t max_candidates, int64_t *tokens, int64_t threads) {
+    (void)x, (void)ldx, (void)rows, (void)panels, (void)vocab, (void)w, (void)strides, (void)k;
+    (void)block, (void)p, (void)q, (void)p_max, (void)q_max, (void)cap, (void)max_candidates;
+    (void)tokens, (void)threads;
+    return -1;
+}
+#endif
