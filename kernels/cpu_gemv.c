@@ -105,6 +105,18 @@ static inline void store16(float *p, vec16 v, int64_t lanes) {
 #if PAIRED
 #define STEP_ELEMS 32
 typedef uint32_t input_t;
+
+/* x's rows as pairs (to_pairs), `padded` rows (>= rows) of (k + 1) / 2, those past `rows`
+ * zero (AMX's tiles take rows in blocks of 32); NULL where the memory could not be had */
+static input_t *paired_rows(const float *x, int64_t ldx, int64_t rows, int64_t k,
+                            int64_t padded) {
+    const int64_t steps = (k + 1) / 2;
+    input_t *in = malloc(sizeof(input_t) * (size_t)(padded * steps));
+    if (!in) return NULL;
+    for (int64_t r = 0; r < rows; r++) to_pairs(x + r * ldx, k, in + r * steps);
+    memset(in + rows * steps, 0, sizeof(input_t) * (size_t)((padded - rows) * steps));
+    return in;
+}
 #else
 #define STEP_ELEMS 16
 typedef float input_t;
@@ -207,12 +219,10 @@ int NAME(pagedq_gemv)(const float *x, int64_t ldx, int64_t rows, const stored_t 
 #else
     const int64_t padded = rows;
 #endif
-    input_t *in = malloc(sizeof(input_t) * (size_t)(padded * steps));
+    input_t *in = paired_rows(x, ldx, rows, k, padded);
     if (!in) return -1;
-    for (int64_t r = 0; r < rows; r++) to_pairs(x + r * ldx, k, in + r * steps);
 #if AMX
     if (tiles) {
-        memset(in + rows * steps, 0, sizeof(input_t) * (size_t)((padded - rows) * steps));
         amx_gemv(in, ldin, rows, w, bias, y, ldy, n, steps,
                  threads == TEAM_TASKS ? 1 : threads);
         free(in);

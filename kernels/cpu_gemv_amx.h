@@ -129,11 +129,10 @@ static void amx_gemv(const input_t *in, int64_t ldin, int64_t rows, const stored
 int NAME(pagedq_gemv_sink)(const float *x, int64_t ldx, int64_t rows, const stored_t *w,
                            int64_t n, int64_t k, gemv_sink sink, void *ctx, int64_t threads) {
 #if AMX
-    const int64_t steps = (k + 1) / 2, padded = (rows + 31) / 32 * 32;
-    input_t *in = NAME(pagedq_gemv_tiles)(rows, k) ? calloc((size_t)(padded * steps),
-                                                            sizeof(input_t)) : NULL;
+    const int64_t steps = (k + 1) / 2;
+    input_t *in = NAME(pagedq_gemv_tiles)(rows, k)
+        ? paired_rows(x, ldx, rows, k, (rows + 31) / 32 * 32) : NULL;
     if (!in) return -1;
-    for (int64_t r = 0; r < rows; r++) to_pairs(x + r * ldx, k, in + r * steps);
     amx_pass(in, steps, rows, w, n, steps, threads, 1, sink, ctx);
     free(in);
     return 0;

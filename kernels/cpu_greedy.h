@@ -27,6 +27,10 @@ static inline double bf16_rounding_norm(const float *x, int64_t k) {
     return sqrt(sum);
 }
 
+/* rounding[r]: ||x - x'|| of row r (bf16_rounding_norm), rounded up (cpu_greedy.c) */
+void pagedq_bf16_rounding(const float *x, int64_t ldx, int64_t rows, int64_t k,
+                          float *rounding);
+
 /* Output j of x times the float32 weights in cpu_gemv.c's order: K in blocks of `block`
  * inputs, each an FMA chain from zero in input order, the blocks' sums added in order (the
  * layer has no bias). Weight (j, i) at w[j / 16 * strides[0] + j % 16 * strides[1] + i *

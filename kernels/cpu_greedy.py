@@ -28,8 +28,9 @@ from kernels import cpu_gemv, cpu_native
 
 # more tokens than this within the bound of a row's best: its float32 logits are cheaper whole
 MAX_CANDIDATES = 64
-# tokens the AMX screen keeps a row a thread (those near the running best) before it leaves the
-# row to the caller
+# tokens the AMX screen keeps a row a thread (those that may beat the running best) before it
+# leaves the row to the caller: on 1,920 of SmolLM2's states (48 random prompts, 40 tokens
+# each) 64 left 13 rows to the float32 layer, 256 and 1,024 none
 SCREEN_KEPT = 1024
 _ROWS = 4096  # vocabulary rows a slice when the bound's terms are computed
 WEIGHT_MAX = 127  # the int8 copy's largest integer (cpu_screen.c sums in int32 by it)
@@ -174,10 +175,11 @@ def _tiles_tokens(x: torch.Tensor, weights: GreedyWeights, out: torch.Tensor) ->
     """``tokens`` of the bfloat16 copy into ``out`` with the screen inside its product on AMX's
     tiles (``cpu_greedy_tiles.c``: no logits written); False where the tiles do not take these
     rows. Why: SmolLM2's head, 2 threads, a Xeon with AMX (family 6 model 167), medians of 21
-    alternating with the logits written and screened: 16 rows 1.66 against 1.84-2.00 ms, 32
-    rows 1.76-1.98 against 2.19-2.98, 64 rows 2.94-3.55 against 3.93-6.37, 128 rows 5.16-7.09
-    against 8.42-12.21 (four runs); in ``batched.py``'s workload, the head 0.469 against 0.554 s
-    a call (medians of four calls each, alternating)."""
+    alternating with the logits written and screened, over six runs: 16 rows 1.60-1.75 against
+    1.63-2.11 ms, 32 rows 1.74-1.98 against 2.05-2.98, 64 rows 2.94-3.55 against 3.93-6.37, 128
+    rows 5.16-7.09 against 8.42-12.21; in ``batched.py``'s workload the head 0.469 against 0.554
+    s a call, in ``throughput.py``'s SmolLM2 one 1.268 against 1.750 (medians, alternating
+    calls)."""
     function = cpu_native.function("pagedq_greedy_tiles")
     rows, hidden = x.shape
     return function is not None and function(

@@ -1,19 +1,19 @@
 /* A greedy step's tokens with the screen inside the bfloat16 copy's product on AMX's tiles
- * (pagedq_gemv_sink_bf16): each tile of sums is screened while it is in L1, and only the few tokens that may beat each row's running
- * best are kept, where cpu_greedy.c's screen reads the logits the product wrote (SmolLM2's
- * 49,152 a row: 25 MB at 128 rows). The tokens, the bound and the float32 logits are
- * cpu_greedy.c's, so are the results: the float32 layer's argmax, bit for bit. Compiled at
- * first use by kernels/cpu_native.py; called by kernels/cpu_greedy.py.
+ * (pagedq_gemv_sink_bf16): each tile of sums is screened while it is in L1, and only the few
+ * tokens that may beat each row's running best are kept, where cpu_greedy.c's screen reads the
+ * logits the product wrote (SmolLM2's 49,152 a row: 25 MB at 128 rows). The tokens, the bound
+ * and the float32 logits are cpu_greedy.c's, so are the results: the float32 layer's argmax,
+ * bit for bit. Compiled at first use by kernels/cpu_native.py; called by kernels/cpu_greedy.py.
  *
  * Which tokens are kept. Token j needs its float32 logit if a_j + bound_j reaches the best
  * float32 logit found, and that is at least the approximation's highest, h, less its bound,
- * which is below C + |h| 2^-20, C = (|x| p_max + |x - x'| q_max) 1.001 + 1e-30. So j can
- * matter only if a_j + |a_j| 2^-20 + t_j >= h - |h| 2^-20 - C, t_j = (|x| p_j + |x - x'| q_j)
- * 1.001 + 1e-30. The right side increases with h, so a token passed over against the running
- * highest, below h, would have been passed over against h: the screen keeps a_j + |a_j| e +
- * 1.01 t'_j >= m - |m| e - 1.01 C', m the row's highest so far, e = 2^-18, t' and C' with
- * 2e-30 (room for the float arithmetic), and the row's settling takes from those the tokens
- * that pass against h. */
+ * which is below C + |h| 2^-20, C = (|x| p_max + |x - x'| q_max) 1.001 + 1e-30. So j can matter
+ * only if a_j + |a_j| 2^-20 + t_j >= h - |h| 2^-20 - C, t_j = (|x| p_j + |x - x'| q_j) 1.001 +
+ * 1e-30. The right side increases with h, so a token passed over against the running highest,
+ * below h, would have been passed over against h: the screen keeps a_j + |a_j| e + 1.01 t'_j >=
+ * m - |m| e - 1.01 C', m the row's highest so far, e = 2^-18, t' and C' with 2e-30 (room for
+ * the float arithmetic), and the row's settling takes from those the tokens that pass against
+ * h. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -141,10 +141,8 @@ int pagedq_greedy_tiles(const float *x, int64_t ldx, int64_t rows, const uint16_
     int status = -1;
     if (!norms || !state || !ids || !values) goto done;
     float *nx = norms, *nd = norms + rows;
-    for (int64_t r = 0; r < rows; r++) {
-        nx[r] = norm_up(x + r * ldx, k);
-        nd[r] = (float)(bf16_rounding_norm(x + r * ldx, k) * (1.0 + 1e-6));
-    }
+    for (int64_t r = 0; r < rows; r++) nx[r] = norm_up(x + r * ldx, k);
+    pagedq_bf16_rounding(x, ldx, rows, k, nd);
     for (int64_t i = 0; i < threads * rows; i++)
         state[i] = (screened){-INFINITY, -INFINITY, 0, 0};
     screen c = {rows, cap, nx, nd, p, q, p_max, q_max, state, ids, values};

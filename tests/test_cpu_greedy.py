@@ -168,9 +168,9 @@ def test_amx_screen_gives_the_written_logits_tokens(monkeypatch: pytest.MonkeyPa
     rise /= rise.norm()
     rising = torch.randn(vocab, hidden, generator=gen) * 1e-6 + rise * torch.arange(
         vocab).unsqueeze(1) * 1e-3
+    ties = _layer(vocab, hidden, 6)
     for weight, x in [
-        (_layer(vocab, hidden, 6), torch.cat([torch.randn(30, hidden, generator=gen) * 20,
-                                              _layer(vocab, hidden, 6)[[0, 11]] * 400])),
+        (ties, torch.cat([torch.randn(30, hidden, generator=gen) * 20, ties[[0, 11]] * 400])),
         (rising, rise * torch.tensor([[20.0], [50.0], [200.0], [1000.0]] * 3)),
     ]:
         panels = cpu_gemv.pack_panels(weight)
